@@ -1,0 +1,23 @@
+# idempotency: PGXS build of the PostgreSQL extension
+EXTENSION   = idempotency
+MODULE_big  = idempotency
+OBJS        = src/idempotency.o src/guc.o src/fingerprint.o src/store.o \
+              src/wait.o src/stats.o src/sweep.o src/worker.o src/api.o
+DATA        = $(wildcard idempotency--*.sql)
+PGFILEDESC  = "idempotency - idempotency keys for PostgreSQL"
+
+# Every file in sql/ is a pg_regress test, every file in specs/ an
+# isolation test, every t/*.pl a TAP test: adding a test is adding a file.
+REGRESS      = $(patsubst sql/%.sql,%,$(sort $(wildcard sql/*.sql)))
+REGRESS_OPTS = --inputdir=. --load-extension=idempotency
+ISOLATION    = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
+ISOLATION_OPTS = --load-extension=idempotency
+TAP_TESTS    = 1
+
+PG_CPPFLAGS = -I$(srcdir)/src
+PG_CFLAGS   = -Wall -Wextra -Werror -Wno-unused-parameter \
+              -Wno-missing-field-initializers -Wno-sign-compare
+
+PG_CONFIG ?= pg_config
+PGXS := $(shell $(PG_CONFIG) --pgxs)
+include $(PGXS)

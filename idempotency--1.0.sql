@@ -1,0 +1,166 @@
+/* idempotency--1.0.sql: the objects of the idempotency extension, version 1.0 */
+
+-- complain if script is sourced in psql, rather than via CREATE EXTENSION
+\echo Use "CREATE EXTENSION idempotency" to load this file. \quit
+
+/*
+ * Tokens: one increasing sequence per database.  Every claim and takeover
+ * draws a new value, so a token is larger than every token issued before it.
+ * The sequence is non-transactional: a rolled-back claim never gives its
+ * token back.  It is registered below as extension configuration, so
+ * pg_dump carries its position along with the keys.
+ */
+CREATE SEQUENCE idempotency.token_seq AS bigint NO CYCLE;
+
+/*
+ * The key store.  One row per (scope, key).  Application roles get no
+ * privilege on it: they reach it only through the functions below.
+ *
+ *   status       pending | succeeded | failed
+ *   token        the current fencing token; NULL once the sweeper reset a
+ *                stale pending key (the next claim takes over)
+ *   attempt      1 for the first claim, + 1 for each takeover
+ *   fingerprint  SHA-256 of the request's jsonb text; NULL: no request
+ *   lease_until  a pending attempt is live until then
+ *   expires_at   the key behaves as absent from then on
+ *   retention    the claim's retention, the default for idem_finish
+ *   sweep_at     when the sweeper next has work on this row: lease_until
+ *                for a live pending key, expires_at otherwise
+ */
+CREATE TABLE idempotency.keys (
+	scope			text COLLATE "C" NOT NULL,
+	key				text COLLATE "C" NOT NULL,
+	status			text COLLATE "C" NOT NULL,
+	token			bigint,
+	attempt			integer NOT NULL,
+	fingerprint		bytea,
+	response_code	integer,
+	response_body	jsonb,
+	created_at		timestamptz NOT NULL,
+	finished_at		timestamptz,
+	lease_until		timestamptz,
+	expires_at		timestamptz NOT NULL,
+	retention		interval NOT NULL,
+	sweep_at		timestamptz NOT NULL,
+	CONSTRAINT keys_pkey PRIMARY KEY (scope, key),
+	CONSTRAINT keys_status_check
+		CHECK (status OPERATOR(pg_catalog.=) ANY
+			   (ARRAY['pending', 'succeeded', 'failed']::pg_catalog.text[]))
+);
+CREATE INDEX keys_sweep_at_idx ON idempotency.keys (sweep_at);
+
+REVOKE ALL ON TABLE idempotency.keys FROM PUBLIC;
+REVOKE ALL ON SEQUENCE idempotency.token_seq FROM PUBLIC;
+
+SELECT pg_catalog.pg_extension_config_dump('idempotency.keys', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.token_seq', '');
+
+/*
+ * The client functions.  They are not SECURITY DEFINER: the C code switches
+ * to the table owner only around its own fully schema-qualified statements,
+ * so the caller's identity stays visible (current_user) and nothing from the
+ * caller's search_path is ever looked up.
+ */
+CREATE FUNCTION idempotency.idem_claim(
+	key			text,
+	request		jsonb		DEFAULT NULL,
+	scope		text		DEFAULT '',
+	lease		interval	DEFAULT NULL,
+	retention	interval	DEFAULT NULL,
+	wait		interval	DEFAULT '0')
+RETURNS TABLE (outcome text, token bigint, attempt integer, status text,
+			   response_code integer, response_body jsonb,
+			   retry_after integer)
+AS 'MODULE_PATHNAME', 'idem_claim'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
+
+CREATE FUNCTION idempotency.idem_finish(
+	key				text,
+	token			bigint,
+	response_code	integer		DEFAULT NULL,
+	response_body	jsonb		DEFAULT NULL,
+	scope			text		DEFAULT '',
+	status			text		DEFAULT 'succeeded',
+	retention		interval	DEFAULT NULL)
+RETURNS timestamptz
+AS 'MODULE_PATHNAME', 'idem_finish'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idempotency.idem_extend(
+	key		text,
+	token	bigint,
+	lease	interval	DEFAULT NULL,
+	scope	text		DEFAULT '')
+RETURNS timestamptz
+AS 'MODULE_PATHNAME', 'idem_extend'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idempotency.idem_release(
+	key		text,
+	token	bigint,
+	scope	text	DEFAULT '')
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_release'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idempotency.idem_lookup(
+	key		text,
+	scope	text	DEFAULT '')
+RETURNS TABLE (status text, attempt integer, response_code integer,
+			   response_body jsonb, created_at timestamptz,
+			   finished_at timestamptz, expires_at timestamptz)
+AS 'MODULE_PATHNAME', 'idem_lookup'
+LANGUAGE C STABLE PARALLEL RESTRICTED ROWS 1;
+
+CREATE FUNCTION idempotency.idem_sweep(
+	batch_size	integer	DEFAULT NULL)
+RETURNS TABLE (expired bigint, reset bigint)
+AS 'MODULE_PATHNAME', 'idem_sweep'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
+
+REVOKE ALL ON FUNCTION idempotency.idem_sweep(integer) FROM PUBLIC;
+
+/*
+ * Statistics.  The counters live in shared memory (with preloading); the
+ * key counts are read from the table by the view, which runs with its
+ * owner's rights, so roles that may use the schema see the counts without
+ * any privilege on the table.
+ */
+CREATE FUNCTION idempotency.stats_counters(
+	OUT dbid oid, OUT claims bigint, OUT takeovers bigint, OUT replays bigint,
+	OUT in_progress bigint, OUT mismatches bigint, OUT finishes bigint,
+	OUT releases bigint, OUT expired bigint, OUT reset bigint,
+	OUT last_sweep_at timestamptz, OUT last_sweep_ms double precision)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'idem_stats_counters'
+LANGUAGE C VOLATILE PARALLEL SAFE;
+
+CREATE FUNCTION idempotency.stats_reset()
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_stats_reset'
+LANGUAGE C VOLATILE PARALLEL SAFE;
+
+REVOKE ALL ON FUNCTION idempotency.stats_reset() FROM PUBLIC;
+
+CREATE VIEW idempotency.stats AS
+SELECT d.datname AS database,
+	   c.claims, c.takeovers, c.replays, c.in_progress, c.mismatches,
+	   c.finishes, c.releases, c.expired, c.reset,
+	   c.last_sweep_at, c.last_sweep_ms,
+	   k.pending, k.succeeded, k.failed
+  FROM pg_catalog.pg_database d
+  LEFT JOIN idempotency.stats_counters() c
+	ON c.dbid OPERATOR(pg_catalog.=) d.oid
+  LEFT JOIN (SELECT pg_catalog.count(*) FILTER
+					(WHERE s.status OPERATOR(pg_catalog.=) 'pending') AS pending,
+				pg_catalog.count(*) FILTER
+					(WHERE s.status OPERATOR(pg_catalog.=) 'succeeded') AS succeeded,
+				pg_catalog.count(*) FILTER
+					(WHERE s.status OPERATOR(pg_catalog.=) 'failed') AS failed
+		   FROM idempotency.keys s
+		  WHERE s.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()) k
+	ON d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()
+ WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()
+	OR c.dbid IS NOT NULL;
+
+GRANT SELECT ON idempotency.stats TO PUBLIC;

@@ -1,0 +1,807 @@
+/*-------------------------------------------------------------------------
+ *
+ * api.c
+ *	  The SQL-callable functions: idem_claim, idem_finish, idem_extend,
+ *	  idem_release, idem_lookup, idem_sweep.
+ *
+ * Owns argument checking (every bad input is an ERROR with its own
+ * SQLSTATE, raised before anything is read or written), the outcome rules
+ * of SPEC.md, the wait loop, the result rows and the counters.  Reads and
+ * writes go through store.c.
+ *
+ * The claim protocol, in short: a lock-free probe of the newest row
+ * answers replay, mismatch and in_progress without writing or locking
+ * anything.  Only a claim that must write (a new key, a key past its
+ * retention, a takeover) takes the key's advisory lock without waiting,
+ * probes again under it, writes, and releases the lock at once.  A row
+ * that another transaction is changing is never waited on: it answers
+ * in_progress.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <math.h>
+
+#include "access/detoast.h"
+#include "access/xlog.h"
+#include "fmgr.h"
+#include "funcapi.h"
+#include "mb/pg_wchar.h"
+#include "miscadmin.h"
+#include "storage/latch.h"
+#include "tcop/utility.h"
+#include "utils/builtins.h"
+#include "utils/jsonb.h"
+#include "utils/timestamp.h"
+#include "utils/wait_event.h"
+
+#include "idempotency.h"
+
+PG_FUNCTION_INFO_V1(idem_claim);
+PG_FUNCTION_INFO_V1(idem_finish);
+PG_FUNCTION_INFO_V1(idem_extend);
+PG_FUNCTION_INFO_V1(idem_release);
+PG_FUNCTION_INFO_V1(idem_lookup);
+PG_FUNCTION_INFO_V1(idem_sweep);
+
+/* Without preloading, a waiter polls this often (SPEC: at most 10 ms). */
+#define WAIT_POLL_MS			10
+/* With preloading, a safety net in case a wake-up is lost (2PC). */
+#define WAIT_SAFETY_MS			1000
+
+typedef enum ClaimOutcome
+{
+	OUTCOME_CLAIMED,
+	OUTCOME_REPLAY,
+	OUTCOME_IN_PROGRESS,
+	OUTCOME_MISMATCH
+} ClaimOutcome;
+
+/* The SQL name of an outcome. */
+static const char *
+outcome_name(ClaimOutcome outcome)
+{
+	switch (outcome)
+	{
+		case OUTCOME_CLAIMED:
+			return "claimed";
+		case OUTCOME_REPLAY:
+			return "replay";
+		case OUTCOME_IN_PROGRESS:
+			return "in_progress";
+		case OUTCOME_MISMATCH:
+			return "mismatch";
+	}
+	pg_unreachable();
+}
+static const char *const status_names[] = {"pending", "succeeded", "failed"};
+
+/* What a claim needs to know about its arguments. */
+typedef struct ClaimArgs
+{
+	text	   *scope;
+	text	   *key;
+	uint64		hash;
+	bool		has_fingerprint;
+	uint8		fingerprint[IDEM_FINGERPRINT_LEN];
+	Interval   *lease;			/* NULL: idempotency.lease */
+	Interval   *retention;		/* NULL: idempotency.retention */
+} ClaimArgs;
+
+/* What a claim answers. */
+typedef struct ClaimResult
+{
+	ClaimOutcome outcome;
+	int64		token;
+	int32		attempt;
+	IdemStatus	status;
+	bool		has_response_code;
+	int32		response_code;
+	Datum		response_body;
+	int32		retry_after;
+	/* for the wait loop */
+	bool		held_by_me;		/* our own open transaction holds the key */
+	bool		busy;			/* another transaction is changing the key */
+	TimestampTz lease_until;	/* of the attempt we wait for, or 0 */
+} ClaimResult;
+
+/* What the probed row means for a claim. */
+typedef enum ClaimAction
+{
+	ACTION_ANSWER,				/* the result is filled in, nothing to write */
+	ACTION_FRESH,				/* absent or past retention: attempt 1 */
+	ACTION_TAKEOVER				/* pending, lease over: attempt + 1 */
+} ClaimAction;
+
+/* ---------------------------------------------------------------------
+ * Argument checks
+ * ---------------------------------------------------------------------
+ */
+
+/* Raise 22004 when argument "argno" is NULL. */
+static void
+arg_not_null(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("%s must not be null", name)));
+}
+
+/*
+ * A key or scope argument: not NULL, at most 255 characters, and (for a
+ * key) not empty.
+ */
+static text *
+arg_name(FunctionCallInfo fcinfo, int argno, const char *name,
+		 bool allow_empty)
+{
+	text	   *t;
+	int			bytes;
+
+	arg_not_null(fcinfo, argno, name);
+	t = PG_GETARG_TEXT_PP(argno);
+	bytes = VARSIZE_ANY_EXHDR(t);
+	if (bytes == 0 && !allow_empty)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must not be empty", name)));
+	/* A character takes at least one byte: count only when it matters. */
+	if (bytes > IDEM_MAX_KEY_CHARS)
+	{
+		int			chars = pg_mbstrlen_with_len(VARDATA_ANY(t), bytes);
+
+		if (chars > IDEM_MAX_KEY_CHARS)
+			ereport(ERROR,
+					(errcode(ERRCODE_STRING_DATA_RIGHT_TRUNCATION),
+					 errmsg("%s is too long", name),
+					 errdetail("It has %d characters; the limit is %d.",
+							   chars, IDEM_MAX_KEY_CHARS)));
+	}
+	return t;
+}
+
+/* An optional interval argument; NULL when the SQL value is NULL. */
+static Interval *
+arg_interval(FunctionCallInfo fcinfo, int argno)
+{
+	return PG_ARGISNULL(argno) ? NULL : PG_GETARG_INTERVAL_P(argno);
+}
+
+/* An interval of "ms" milliseconds (the value of a setting). */
+static Interval *
+interval_from_ms(int64 ms)
+{
+	Interval   *iv = palloc0(sizeof(Interval));
+
+	iv->time = ms * INT64CONST(1000);
+	return iv;
+}
+
+/* now + iv on the calendar, as timestamptz + interval does. */
+static TimestampTz
+add_interval(TimestampTz now, Interval *iv)
+{
+	return DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
+												   TimestampTzGetDatum(now),
+												   IntervalPGetDatum(iv)));
+}
+
+/* Raise 22023 unless the interval "iv" (named "name") is positive. */
+static void
+check_positive(Interval *iv, const char *name)
+{
+	TimestampTz now = GetCurrentTimestamp();
+
+	if (iv != NULL && add_interval(now, iv) <= now)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", name)));
+}
+
+/* The wait argument: not NULL, not negative; returned in microseconds. */
+static int64
+arg_wait(FunctionCallInfo fcinfo, int argno)
+{
+	Interval   *iv;
+	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz until;
+
+	arg_not_null(fcinfo, argno, "wait");
+	iv = PG_GETARG_INTERVAL_P(argno);
+	until = add_interval(now, iv);
+	if (until < now)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("wait must not be negative")));
+	return until - now;
+}
+
+/* The status argument of idem_finish. */
+static IdemStatus
+arg_status(FunctionCallInfo fcinfo, int argno)
+{
+	char	   *s;
+
+	arg_not_null(fcinfo, argno, "status");
+	s = text_to_cstring(PG_GETARG_TEXT_PP(argno));
+	if (strcmp(s, "succeeded") == 0)
+		return IDEM_SUCCEEDED;
+	if (strcmp(s, "failed") == 0)
+		return IDEM_FAILED;
+	ereport(ERROR,
+			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+			 errmsg("invalid status \"%s\"", s),
+			 errhint("A finished key has status \"succeeded\" or \"failed\".")));
+	pg_unreachable();
+}
+
+/* The response_body argument: NULL or a jsonb within the size limit. */
+static Datum
+arg_response_body(FunctionCallInfo fcinfo, int argno)
+{
+	Size		bytes;
+
+	if (PG_ARGISNULL(argno))
+		return (Datum) 0;
+	bytes = toast_raw_datum_size(PG_GETARG_DATUM(argno)) - VARHDRSZ;
+	if (bytes > (Size) idem_max_response_size)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("response_body is too large"),
+				 errdetail("It has %zu bytes; idempotency.max_response_size is %d bytes.",
+						   bytes, idem_max_response_size)));
+	return PG_GETARG_DATUM(argno);
+}
+
+/* Name a key in messages: "key" or "key" in scope "scope". */
+static char *
+key_display(text *scope, text *key)
+{
+	if (VARSIZE_ANY_EXHDR(scope) == 0)
+		return psprintf("\"%s\"", text_to_cstring(key));
+	return psprintf("\"%s\" in scope \"%s\"", text_to_cstring(key),
+					text_to_cstring(scope));
+}
+
+/* Whole seconds until "until", at least 1 (the Retry-After value). */
+static int32
+seconds_until(TimestampTz until, TimestampTz now)
+{
+	double		s = ceil((double) (until - now) / USECS_PER_SEC);
+
+	if (s < 1)
+		return 1;
+	if (s > PG_INT32_MAX)
+		return PG_INT32_MAX;
+	return (int32) s;
+}
+
+/* ---------------------------------------------------------------------
+ * idem_claim
+ * ---------------------------------------------------------------------
+ */
+
+/* Do two requests match?  NULL (no request) matches only NULL. */
+static bool
+fingerprint_matches(const ClaimArgs *args, const IdemRow *row)
+{
+	if (args->has_fingerprint != row->has_fingerprint)
+		return false;
+	return !args->has_fingerprint ||
+		memcmp(args->fingerprint, row->fingerprint,
+			   IDEM_FINGERPRINT_LEN) == 0;
+}
+
+/*
+ * Decide what the probed row means.  Fills *res for every answer that
+ * needs no write.
+ */
+static ClaimAction
+claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
+			 ClaimResult *res)
+{
+	memset(res, 0, sizeof(ClaimResult));
+	if (row->busy)
+	{
+		/* Another transaction's uncommitted change: never answer from it. */
+		res->outcome = OUTCOME_IN_PROGRESS;
+		res->retry_after = 1;
+		res->busy = true;
+		return ACTION_ANSWER;
+	}
+	if (!row->found || row->expires_at <= now)
+		return ACTION_FRESH;
+	if (!fingerprint_matches(args, row))
+	{
+		res->outcome = OUTCOME_MISMATCH;
+		return ACTION_ANSWER;
+	}
+	if (row->status != IDEM_PENDING)
+	{
+		res->outcome = OUTCOME_REPLAY;
+		res->status = row->status;
+		res->has_response_code = row->has_response_code;
+		res->response_code = row->response_code;
+		res->response_body = row->response_body;
+		return ACTION_ANSWER;
+	}
+	if (row->has_token && row->lease_until > now)
+	{
+		res->outcome = OUTCOME_IN_PROGRESS;
+		res->held_by_me = row->mine;
+		res->retry_after = row->mine ? 1 : seconds_until(row->lease_until, now);
+		res->lease_until = row->lease_until;
+		return ACTION_ANSWER;
+	}
+	return ACTION_TAKEOVER;
+}
+
+/*
+ * One claim attempt: answer from a lock-free probe when possible; else
+ * take the key's lock without waiting, probe again and write.
+ */
+static void
+claim_once(const ClaimArgs *args, ClaimResult *res)
+{
+	TimestampTz now = GetCurrentTimestamp();
+	IdemRow		row;
+	ClaimAction action;
+	TimestampTz lease_until;
+	TimestampTz expires_at;
+	Interval   *lease;
+	Interval   *retention;
+	int64		token;
+
+	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
+	if (claim_decide(args, &row, now, res) == ACTION_ANSWER)
+		return;
+
+	if (!idem_store_lock(args->hash, false))
+	{
+		/* Another backend is in this key's critical section right now. */
+		memset(res, 0, sizeof(ClaimResult));
+		res->outcome = OUTCOME_IN_PROGRESS;
+		res->retry_after = 1;
+		res->busy = true;
+		return;
+	}
+
+	/* Under the lock nobody else can start changing the key: look again. */
+	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
+	action = claim_decide(args, &row, now, res);
+	if (action != ACTION_ANSWER)
+	{
+		idem_store_check_snapshot(&row);
+
+		lease = args->lease ? args->lease : interval_from_ms(idem_lease_ms);
+		retention = args->retention ? args->retention :
+			interval_from_ms((int64) idem_retention_s * 1000);
+		lease_until = add_interval(now, lease);
+		expires_at = Max(add_interval(now, retention), lease_until);
+		token = idem_store_next_token();
+
+		idem_store_begin();
+		if (!row.found)
+			idem_store_insert_claim(args->scope, args->key, token,
+									args->has_fingerprint ? args->fingerprint : NULL,
+									now, lease_until, expires_at, retention);
+		else
+			idem_store_update_claim(&row, token,
+									action == ACTION_FRESH ? 1 : row.attempt + 1,
+									args->has_fingerprint ? args->fingerprint : NULL,
+									action == ACTION_FRESH ? now : row.created_at,
+									lease_until, expires_at, retention);
+		idem_store_end();
+		idem_wait_touched(args->hash);
+
+		res->outcome = OUTCOME_CLAIMED;
+		res->token = token;
+		res->attempt = action == ACTION_FRESH ? 1 : row.attempt + 1;
+	}
+	idem_store_unlock(args->hash);
+}
+
+/*
+ * Claim, waiting up to "wait_us" for an in-flight attempt to settle.  The
+ * waiter publishes its key before probing again, so the settling
+ * transaction's wake-up (at its commit or abort) cannot be missed; it also
+ * wakes when the lease it waits for ends, to take over.  Our own open
+ * transaction is never waited for.
+ */
+static void
+claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
+{
+	TimestampTz deadline;
+
+	claim_once(args, res);
+	if (res->outcome != OUTCOME_IN_PROGRESS || wait_us <= 0 ||
+		res->held_by_me)
+		return;
+
+	deadline = GetCurrentTimestamp() + wait_us;
+	idem_wait_register(args->hash);
+	PG_TRY();
+	{
+		for (;;)
+		{
+			TimestampTz now;
+			int64		sleep_us;
+			long		sleep_ms;
+
+			ResetLatch(MyLatch);
+			claim_once(args, res);
+			if (res->outcome != OUTCOME_IN_PROGRESS || res->held_by_me)
+				break;
+			now = GetCurrentTimestamp();
+			if (now >= deadline)
+				break;
+
+			sleep_us = deadline - now;
+			if (res->lease_until > now)
+				sleep_us = Min(sleep_us, res->lease_until - now);
+			if (!idem_wait_preloaded())
+				sleep_us = Min(sleep_us, WAIT_POLL_MS * 1000);
+			else if (res->busy)
+				sleep_us = Min(sleep_us, WAIT_SAFETY_MS * 1000);
+			sleep_ms = (long) ((sleep_us + 999) / 1000);
+
+			(void) WaitLatch(MyLatch,
+							 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+							 sleep_ms, PG_WAIT_EXTENSION);
+			CHECK_FOR_INTERRUPTS();
+		}
+	}
+	PG_FINALLY();
+	{
+		idem_wait_unregister();
+	}
+	PG_END_TRY();
+
+	/* Retry-After is measured at the moment we answer. */
+	if (res->outcome == OUTCOME_IN_PROGRESS && !res->busy && !res->held_by_me)
+		res->retry_after = seconds_until(res->lease_until,
+										 GetCurrentTimestamp());
+}
+
+/* Count one claim answer. */
+static void
+claim_count(const ClaimResult *res)
+{
+	switch (res->outcome)
+	{
+		case OUTCOME_CLAIMED:
+			idem_stats_count(IDEM_STAT_CLAIMS, 1);
+			if (res->attempt > 1)
+				idem_stats_count(IDEM_STAT_TAKEOVERS, 1);
+			break;
+		case OUTCOME_REPLAY:
+			idem_stats_count(IDEM_STAT_REPLAYS, 1);
+			break;
+		case OUTCOME_IN_PROGRESS:
+			idem_stats_count(IDEM_STAT_IN_PROGRESS, 1);
+			break;
+		case OUTCOME_MISMATCH:
+			idem_stats_count(IDEM_STAT_MISMATCHES, 1);
+			break;
+	}
+}
+
+/*
+ * idem_claim(key, request, scope, lease, retention, wait)
+ *	  RETURNS TABLE (outcome, token, attempt, status, response_code,
+ *					 response_body, retry_after): always one row.
+ */
+Datum
+idem_claim(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	ClaimArgs	args;
+	ClaimResult res;
+	int64		wait_us;
+	Datum		values[7];
+	bool		nulls[7] = {true, true, true, true, true, true, true};
+
+	args.key = arg_name(fcinfo, 0, "key", false);
+	args.scope = arg_name(fcinfo, 2, "scope", true);
+	args.lease = arg_interval(fcinfo, 3);
+	args.retention = arg_interval(fcinfo, 4);
+	check_positive(args.lease, "lease");
+	check_positive(args.retention, "retention");
+	wait_us = arg_wait(fcinfo, 5);
+	PreventCommandDuringRecovery("idem_claim()");
+
+	args.has_fingerprint = !PG_ARGISNULL(1);
+	if (args.has_fingerprint)
+		idem_fingerprint(PG_GETARG_DATUM(1), args.fingerprint);
+	args.hash = idem_key_hash(args.scope, args.key);
+
+	InitMaterializedSRF(fcinfo, 0);
+	claim_with_wait(&args, wait_us, &res);
+	claim_count(&res);
+
+	values[0] = CStringGetTextDatum(outcome_name(res.outcome));
+	nulls[0] = false;
+	switch (res.outcome)
+	{
+		case OUTCOME_CLAIMED:
+			values[1] = Int64GetDatum(res.token);
+			values[2] = Int32GetDatum(res.attempt);
+			nulls[1] = nulls[2] = false;
+			break;
+		case OUTCOME_REPLAY:
+			values[3] = CStringGetTextDatum(status_names[res.status]);
+			nulls[3] = false;
+			if (res.has_response_code)
+			{
+				values[4] = Int32GetDatum(res.response_code);
+				nulls[4] = false;
+			}
+			if (res.response_body != (Datum) 0)
+			{
+				values[5] = PointerGetDatum(PG_DETOAST_DATUM(res.response_body));
+				nulls[5] = false;
+			}
+			break;
+		case OUTCOME_IN_PROGRESS:
+			values[6] = Int32GetDatum(res.retry_after);
+			nulls[6] = false;
+			break;
+		case OUTCOME_MISMATCH:
+			break;
+	}
+	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	PG_RETURN_VOID();
+}
+
+/* ---------------------------------------------------------------------
+ * idem_finish, idem_extend, idem_release: the token-holder's calls
+ * ---------------------------------------------------------------------
+ */
+
+typedef enum TokenCall
+{
+	CALL_FINISH,
+	CALL_EXTEND,
+	CALL_RELEASE
+} TokenCall;
+
+static const char *const call_names[] = {"finish", "extend", "release"};
+
+/*
+ * Lock the key and probe it for a call made with "token".  Raises the
+ * documented error for every case in which the call may not proceed.
+ * Returns false (with the lock still held) only for a finish repeated with
+ * the token that finished the key: the caller answers from *row.
+ */
+static bool
+token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
+				 int64 token, IdemRow *row, TimestampTz now)
+{
+	(void) idem_store_lock(hash, true);
+	idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, row);
+
+	if (row->busy)
+		ereport(ERROR,
+				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+				 errmsg("could not %s idempotency key %s", call_names[call],
+						key_display(scope, key)),
+				 errdetail("Another transaction is changing this key right now."),
+				 errhint("If that transaction took the key over, this token is no longer current.")));
+	if (!row->found || row->expires_at <= now)
+		ereport(ERROR,
+				(errcode(ERRCODE_NO_DATA_FOUND),
+				 errmsg("idempotency key %s does not exist",
+						key_display(scope, key)),
+				 errdetail("It was never claimed, was released, or its retention has passed.")));
+	if (row->status != IDEM_PENDING)
+	{
+		if (call == CALL_FINISH && row->has_token && row->token == token)
+			return false;
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency key %s is already finished",
+						key_display(scope, key)),
+				 call == CALL_FINISH ?
+				 errdetail("Another attempt (token " INT64_FORMAT ") stored its result.",
+						   row->token) :
+				 errdetail("Its status is \"%s\".", status_names[row->status])));
+	}
+	if (!row->has_token || row->token != token)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_IN_USE),
+				 errmsg("token " INT64_FORMAT " is no longer current for idempotency key %s",
+						token, key_display(scope, key)),
+				 row->has_token ?
+				 errdetail("Attempt %d holds the key with token " INT64_FORMAT ".",
+						   row->attempt, row->token) :
+				 errdetail("The sweeper reset the key after its lease ended."),
+				 errhint("The claim was taken over; do not store this attempt's result.")));
+	idem_store_check_snapshot(row);
+	return true;
+}
+
+/*
+ * idem_finish(key, token, response_code, response_body, scope, status,
+ *			   retention) RETURNS timestamptz
+ */
+Datum
+idem_finish(PG_FUNCTION_ARGS)
+{
+	text	   *key = arg_name(fcinfo, 0, "key", false);
+	text	   *scope = arg_name(fcinfo, 4, "scope", true);
+	int64		token;
+	Datum		body;
+	IdemStatus	status;
+	Interval   *retention;
+	TimestampTz now;
+	TimestampTz expires_at;
+	uint64		hash;
+	IdemRow		row;
+
+	arg_not_null(fcinfo, 1, "token");
+	token = PG_GETARG_INT64(1);
+	body = arg_response_body(fcinfo, 3);
+	status = arg_status(fcinfo, 5);
+	retention = arg_interval(fcinfo, 6);
+	check_positive(retention, "retention");
+	PreventCommandDuringRecovery("idem_finish()");
+
+	hash = idem_key_hash(scope, key);
+	now = GetCurrentTimestamp();
+	if (!token_call_begin(CALL_FINISH, scope, key, hash, token, &row, now))
+	{
+		idem_store_unlock(hash);
+		PG_RETURN_TIMESTAMPTZ(row.expires_at);
+	}
+
+	expires_at = add_interval(now, retention ? retention : &row.retention);
+	idem_store_begin();
+	idem_store_finish(&row, status, !PG_ARGISNULL(2),
+					  PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2), body, now,
+					  expires_at);
+	idem_store_end();
+	idem_wait_touched(hash);
+	idem_store_unlock(hash);
+	idem_stats_count(IDEM_STAT_FINISHES, 1);
+
+	PG_RETURN_TIMESTAMPTZ(expires_at);
+}
+
+/* idem_extend(key, token, lease, scope) RETURNS timestamptz */
+Datum
+idem_extend(PG_FUNCTION_ARGS)
+{
+	text	   *key = arg_name(fcinfo, 0, "key", false);
+	text	   *scope = arg_name(fcinfo, 3, "scope", true);
+	int64		token;
+	Interval   *lease;
+	TimestampTz now;
+	TimestampTz lease_until;
+	TimestampTz expires_at;
+	uint64		hash;
+	IdemRow		row;
+
+	arg_not_null(fcinfo, 1, "token");
+	token = PG_GETARG_INT64(1);
+	lease = arg_interval(fcinfo, 2);
+	check_positive(lease, "lease");
+	PreventCommandDuringRecovery("idem_extend()");
+
+	hash = idem_key_hash(scope, key);
+	now = GetCurrentTimestamp();
+	(void) token_call_begin(CALL_EXTEND, scope, key, hash, token, &row, now);
+
+	lease_until = add_interval(now, lease ? lease :
+							   interval_from_ms(idem_lease_ms));
+	expires_at = Max(add_interval(now, &row.retention), lease_until);
+	idem_store_begin();
+	idem_store_extend(&row, lease_until, expires_at);
+	idem_store_end();
+	idem_wait_touched(hash);
+	idem_store_unlock(hash);
+
+	PG_RETURN_TIMESTAMPTZ(lease_until);
+}
+
+/* idem_release(key, token, scope) RETURNS void */
+Datum
+idem_release(PG_FUNCTION_ARGS)
+{
+	text	   *key = arg_name(fcinfo, 0, "key", false);
+	text	   *scope = arg_name(fcinfo, 2, "scope", true);
+	int64		token;
+	uint64		hash;
+	IdemRow		row;
+
+	arg_not_null(fcinfo, 1, "token");
+	token = PG_GETARG_INT64(1);
+	PreventCommandDuringRecovery("idem_release()");
+
+	hash = idem_key_hash(scope, key);
+	(void) token_call_begin(CALL_RELEASE, scope, key, hash, token, &row,
+							GetCurrentTimestamp());
+	idem_store_begin();
+	idem_store_delete(&row);
+	idem_store_end();
+	idem_wait_touched(hash);
+	idem_store_unlock(hash);
+	idem_stats_count(IDEM_STAT_RELEASES, 1);
+
+	PG_RETURN_VOID();
+}
+
+/* ---------------------------------------------------------------------
+ * idem_lookup, idem_sweep
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * idem_lookup(key, scope) RETURNS TABLE (status, attempt, response_code,
+ *		response_body, created_at, finished_at, expires_at)
+ * Reads through the caller's snapshot; works on a hot standby.
+ */
+Datum
+idem_lookup(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	text	   *key = arg_name(fcinfo, 0, "key", false);
+	text	   *scope = arg_name(fcinfo, 1, "scope", true);
+	IdemRow		row;
+	Datum		values[7];
+	bool		nulls[7] = {0};
+
+	InitMaterializedSRF(fcinfo, 0);
+	idem_store_probe(scope, key, IDEM_PROBE_SNAPSHOT, true, &row);
+	if (!row.found || row.expires_at <= GetCurrentTimestamp())
+		PG_RETURN_VOID();
+
+	values[0] = CStringGetTextDatum(status_names[row.status]);
+	values[1] = Int32GetDatum(row.attempt);
+	values[2] = Int32GetDatum(row.response_code);
+	nulls[2] = !row.has_response_code;
+	values[3] = row.response_body != (Datum) 0 ?
+		PointerGetDatum(PG_DETOAST_DATUM(row.response_body)) : (Datum) 0;
+	nulls[3] = (row.response_body == (Datum) 0);
+	values[4] = TimestampTzGetDatum(row.created_at);
+	values[5] = TimestampTzGetDatum(row.finished_at);
+	nulls[5] = !row.has_finished_at;
+	values[6] = TimestampTzGetDatum(row.expires_at);
+	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	PG_RETURN_VOID();
+}
+
+/* idem_sweep(batch_size) RETURNS TABLE (expired bigint, reset bigint) */
+Datum
+idem_sweep(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	int			batch = idem_sweep_batch;
+	int64		expired;
+	int64		reset;
+	TimestampTz start;
+	Datum		values[2];
+	bool		nulls[2] = {0};
+
+	if (!PG_ARGISNULL(0))
+	{
+		batch = PG_GETARG_INT32(0);
+		if (batch <= 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("batch_size must be positive")));
+	}
+	PreventCommandDuringRecovery("idem_sweep()");
+
+	InitMaterializedSRF(fcinfo, 0);
+	start = GetCurrentTimestamp();
+	idem_sweep_batch_run(batch, &expired, &reset);
+	idem_stats_sweep_done(GetCurrentTimestamp(),
+						  (double) (GetCurrentTimestamp() - start) / 1000.0);
+
+	values[0] = Int64GetDatum(expired);
+	values[1] = Int64GetDatum(reset);
+	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	PG_RETURN_VOID();
+}

@@ -1,0 +1,75 @@
+/*-------------------------------------------------------------------------
+ *
+ * fingerprint.c
+ *	  Request fingerprints and per-key lock hashes.
+ *
+ * Owns two pure functions of their input: the SHA-256 fingerprint of a
+ * request (the UTF-8 bytes of the jsonb text form, which already orders
+ * object keys and drops insignificant whitespace) and the 64-bit hash of
+ * (scope, key) that names the key's advisory lock.  Must not touch the
+ * table, take locks or keep state.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "common/cryptohash.h"
+#include "common/hashfn.h"
+#include "lib/stringinfo.h"
+#include "utils/jsonb.h"
+
+#include "idempotency.h"
+
+/* Seed of the lock hash; any constant works, it only has to stay put. */
+#define IDEM_HASH_SEED	UINT64CONST(0x1de4707e5c0ffee5)
+
+/*
+ * SHA-256 over the text form of a jsonb value.  Two requests match only
+ * when their canonical texts are byte-for-byte equal (so 100 and 100.0
+ * differ: jsonb keeps numeric scale).
+ */
+void
+idem_fingerprint(Datum jsonb, uint8 *out)
+{
+	Jsonb	   *jb = DatumGetJsonbP(jsonb);
+	StringInfoData buf;
+	pg_cryptohash_ctx *ctx;
+
+	initStringInfo(&buf);
+	JsonbToCString(&buf, &jb->root, VARSIZE(jb));
+
+	ctx = pg_cryptohash_create(PG_SHA256);
+	if (ctx == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OUT_OF_MEMORY),
+				 errmsg("out of memory")));
+	if (pg_cryptohash_init(ctx) < 0 ||
+		pg_cryptohash_update(ctx, (uint8 *) buf.data, buf.len) < 0 ||
+		pg_cryptohash_final(ctx, out, IDEM_FINGERPRINT_LEN) < 0)
+		elog(ERROR, "could not compute SHA-256 request fingerprint: %s",
+			 pg_cryptohash_error(ctx));
+	pg_cryptohash_free(ctx);
+	pfree(buf.data);
+	if ((Pointer) jb != DatumGetPointer(jsonb))
+		pfree(jb);
+}
+
+/*
+ * 64-bit hash of (scope, key).  The scope's length is mixed in first, so
+ * ("ab", "c") and ("a", "bc") hash differently.  Never 0: wait.c uses 0
+ * for "no key".
+ */
+uint64
+idem_key_hash(text *scope, text *key)
+{
+	uint32		scope_len = VARSIZE_ANY_EXHDR(scope);
+	uint64		h;
+
+	h = hash_bytes_extended((const unsigned char *) &scope_len,
+							sizeof(scope_len), IDEM_HASH_SEED);
+	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(scope),
+							scope_len, h);
+	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
+							VARSIZE_ANY_EXHDR(key), h);
+	return h == 0 ? 1 : h;
+}

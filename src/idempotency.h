@@ -1,0 +1,160 @@
+/*-------------------------------------------------------------------------
+ *
+ * idempotency.h
+ *	  Declarations shared by the parts of the idempotency extension.
+ *
+ * The parts, one file each:
+ *	  idempotency.c  module entry point: _PG_init calls each part's init
+ *	  guc.c          the idempotency.* settings
+ *	  fingerprint.c  SHA-256 request fingerprints and lock hashes
+ *	  store.c        the key store: relation lookup, index probe, the
+ *	                 per-key advisory lock and the prepared SPI writes
+ *	  wait.c         waiting for an in-flight attempt: shared-memory
+ *	                 waiter slots and the wake-up at commit or abort
+ *	  stats.c        shared-memory counters behind the idempotency.stats view
+ *	  worker.c       the background sweeper (launcher + per-database worker)
+ *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
+ *	  api.c          the SQL-callable functions
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_H
+#define IDEMPOTENCY_H
+
+#include "postgres.h"
+
+#include "datatype/timestamp.h"
+#include "storage/itemptr.h"
+#include "utils/relcache.h"
+
+/* Limits of the contract (SPEC.md). */
+#define IDEM_MAX_KEY_CHARS		255
+#define IDEM_FINGERPRINT_LEN	32	/* SHA-256 */
+
+/* Status of a stored key, as kept in idempotency.keys.status. */
+typedef enum IdemStatus
+{
+	IDEM_PENDING,
+	IDEM_SUCCEEDED,
+	IDEM_FAILED
+} IdemStatus;
+
+/* ---- guc.c ---- */
+extern int	idem_lease_ms;
+extern int	idem_retention_s;
+extern int	idem_sweep_batch;
+extern int	idem_max_response_size;
+extern int	idem_sweep_interval_ms;
+extern void idem_guc_init(void);
+
+/* ---- fingerprint.c ---- */
+extern void idem_fingerprint(Datum jsonb, uint8 *out);
+extern uint64 idem_key_hash(text *scope, text *key);
+
+/* ---- store.c ---- */
+
+/*
+ * One key as the store last saw it.  "found" is false when no committed
+ * row exists; "busy" is true when another transaction is inserting,
+ * updating or deleting the row right now (its outcome is unknown, so
+ * nobody may answer from it).  "mine" is set when the current row was
+ * written by the caller's own open transaction.
+ */
+typedef struct IdemRow
+{
+	bool		found;
+	bool		busy;
+	bool		mine;
+	ItemPointerData tid;
+	TransactionId xmin;
+	IdemStatus	status;
+	bool		has_token;
+	int64		token;
+	int32		attempt;
+	bool		has_fingerprint;
+	uint8		fingerprint[IDEM_FINGERPRINT_LEN];
+	bool		has_response_code;
+	int32		response_code;
+	Datum		response_body;	/* detoasted copy, or 0 */
+	TimestampTz created_at;
+	bool		has_finished_at;
+	TimestampTz finished_at;
+	bool		has_lease_until;
+	TimestampTz lease_until;
+	TimestampTz expires_at;
+	Interval	retention;
+} IdemRow;
+
+/* How a probe reads: the newest state (claims, writes) or a snapshot. */
+typedef enum IdemProbeMode
+{
+	IDEM_PROBE_LATEST,			/* dirty snapshot: newest, flags "busy" */
+	IDEM_PROBE_SNAPSHOT			/* the active MVCC snapshot (lookup) */
+} IdemProbeMode;
+
+extern void idem_store_probe(text *scope, text *key, IdemProbeMode mode,
+							 bool want_body, IdemRow *row);
+extern bool idem_store_lock(uint64 hash, bool wait);
+extern void idem_store_unlock(uint64 hash);
+extern int64 idem_store_next_token(void);
+extern void idem_store_check_snapshot(const IdemRow *row);
+
+extern void idem_store_begin(void);
+extern void idem_store_end(void);
+extern void idem_store_insert_claim(text *scope, text *key, int64 token,
+									const uint8 *fingerprint,
+									TimestampTz now, TimestampTz lease_until,
+									TimestampTz expires_at,
+									Interval *retention);
+extern void idem_store_update_claim(const IdemRow *row, int64 token,
+									int32 attempt, const uint8 *fingerprint,
+									TimestampTz created_at,
+									TimestampTz lease_until,
+									TimestampTz expires_at,
+									Interval *retention);
+extern void idem_store_finish(const IdemRow *row, IdemStatus status,
+							  bool has_code, int32 code, Datum body,
+							  TimestampTz now, TimestampTz expires_at);
+extern void idem_store_extend(const IdemRow *row, TimestampTz lease_until,
+							  TimestampTz expires_at);
+extern void idem_store_delete(const IdemRow *row);
+extern void idem_store_reset(const IdemRow *row);
+extern int	idem_store_sweep_candidates(TimestampTz now, int limit,
+										text ***scopes, text ***keys);
+
+/* ---- wait.c ---- */
+extern void idem_wait_shmem_request(void);
+extern void idem_wait_shmem_startup(void);
+extern void idem_wait_init(void);
+extern bool idem_wait_preloaded(void);
+extern void idem_wait_register(uint64 hash);
+extern void idem_wait_unregister(void);
+extern void idem_wait_touched(uint64 hash);
+
+/* ---- stats.c ---- */
+typedef enum IdemCounter
+{
+	IDEM_STAT_CLAIMS,
+	IDEM_STAT_TAKEOVERS,
+	IDEM_STAT_REPLAYS,
+	IDEM_STAT_IN_PROGRESS,
+	IDEM_STAT_MISMATCHES,
+	IDEM_STAT_FINISHES,
+	IDEM_STAT_RELEASES,
+	IDEM_STAT_EXPIRED,
+	IDEM_STAT_RESET,
+	IDEM_STAT_NCOUNTERS
+} IdemCounter;
+
+extern void idem_stats_shmem_request(void);
+extern void idem_stats_shmem_startup(void);
+extern void idem_stats_count(IdemCounter counter, int64 n);
+extern void idem_stats_sweep_done(TimestampTz at, double ms);
+
+/* ---- sweep.c ---- */
+extern void idem_sweep_batch_run(int batch, int64 *expired, int64 *reset);
+
+/* ---- worker.c ---- */
+extern void idem_worker_init(void);
+
+#endif							/* IDEMPOTENCY_H */

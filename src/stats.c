@@ -1,0 +1,202 @@
+/*-------------------------------------------------------------------------
+ *
+ * stats.c
+ *	  Counters behind the idempotency.stats view.
+ *
+ * Owns a small shared-memory array of per-database counters (claims,
+ * takeovers, replays, in_progress, mismatches, finishes, releases,
+ * expired, reset, and the last sweep's time and duration), the
+ * SQL-callable functions that read and reset them, and nothing else: the
+ * key counts of the view come from the table, in SQL.  Counters live since
+ * server start and only exist when the library is preloaded; without it,
+ * counting is a no-op and the reader returns no rows (the view shows
+ * NULLs).  Counters are atomics, so counting never takes a lock.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "fmgr.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "port/atomics.h"
+#include "storage/ipc.h"
+#include "storage/shmem.h"
+#include "storage/spin.h"
+#include "utils/builtins.h"
+#include "utils/timestamp.h"
+
+#include "idempotency.h"
+
+/* Databases with counters of their own; later ones are not counted. */
+#define STATS_MAX_DATABASES		256
+
+typedef struct StatsEntry
+{
+	Oid			dbid;			/* InvalidOid: free */
+	pg_atomic_uint64 counters[IDEM_STAT_NCOUNTERS];
+	slock_t		mutex;			/* protects the two sweep fields */
+	TimestampTz last_sweep_at;	/* 0: never */
+	double		last_sweep_ms;
+} StatsEntry;
+
+typedef struct StatsShared
+{
+	slock_t		mutex;			/* protects dbid allocation */
+	StatsEntry	entries[STATS_MAX_DATABASES];
+} StatsShared;
+
+static StatsShared *stats_shared = NULL;
+
+/* This backend's entry, found once per database. */
+static StatsEntry *my_entry = NULL;
+static Oid	my_entry_db = InvalidOid;
+
+PG_FUNCTION_INFO_V1(idem_stats_counters);
+PG_FUNCTION_INFO_V1(idem_stats_reset);
+
+/* Reserve our shared memory (called from the shmem request hook). */
+void
+idem_stats_shmem_request(void)
+{
+	RequestAddinShmemSpace(sizeof(StatsShared));
+}
+
+/* Create or attach our shared memory (called with AddinShmemInitLock). */
+void
+idem_stats_shmem_startup(void)
+{
+	bool		found;
+
+	stats_shared = ShmemInitStruct("idempotency stats", sizeof(StatsShared),
+								   &found);
+	if (!found)
+	{
+		SpinLockInit(&stats_shared->mutex);
+		for (int i = 0; i < STATS_MAX_DATABASES; i++)
+		{
+			StatsEntry *e = &stats_shared->entries[i];
+
+			e->dbid = InvalidOid;
+			SpinLockInit(&e->mutex);
+			e->last_sweep_at = 0;
+			e->last_sweep_ms = 0;
+			for (int c = 0; c < IDEM_STAT_NCOUNTERS; c++)
+				pg_atomic_init_u64(&e->counters[c], 0);
+		}
+	}
+}
+
+/* The entry of this database, allocated on first use; NULL if none. */
+static StatsEntry *
+stats_entry(void)
+{
+	if (stats_shared == NULL || !OidIsValid(MyDatabaseId))
+		return NULL;
+	if (my_entry != NULL && my_entry_db == MyDatabaseId)
+		return my_entry;
+
+	SpinLockAcquire(&stats_shared->mutex);
+	for (int i = 0; i < STATS_MAX_DATABASES && my_entry_db != MyDatabaseId;
+		 i++)
+	{
+		StatsEntry *e = &stats_shared->entries[i];
+
+		if (e->dbid == MyDatabaseId || e->dbid == InvalidOid)
+		{
+			e->dbid = MyDatabaseId;
+			my_entry = e;
+			my_entry_db = MyDatabaseId;
+		}
+	}
+	SpinLockRelease(&stats_shared->mutex);
+	return my_entry_db == MyDatabaseId ? my_entry : NULL;
+}
+
+/* Add n to one counter of this database. */
+void
+idem_stats_count(IdemCounter counter, int64 n)
+{
+	StatsEntry *e = stats_entry();
+
+	if (e != NULL && n != 0)
+		pg_atomic_fetch_add_u64(&e->counters[counter], (uint64) n);
+}
+
+/* Record when a sweep of this database ended and how long it took. */
+void
+idem_stats_sweep_done(TimestampTz at, double ms)
+{
+	StatsEntry *e = stats_entry();
+
+	if (e == NULL)
+		return;
+	SpinLockAcquire(&e->mutex);
+	e->last_sweep_at = at;
+	e->last_sweep_ms = ms;
+	SpinLockRelease(&e->mutex);
+}
+
+/*
+ * idempotency.stats_counters(): one row per database that has counters.
+ * No rows without preloading.
+ */
+Datum
+idem_stats_counters(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+
+	InitMaterializedSRF(fcinfo, 0);
+	if (stats_shared == NULL)
+		PG_RETURN_VOID();
+
+	for (int i = 0; i < STATS_MAX_DATABASES; i++)
+	{
+		StatsEntry *e = &stats_shared->entries[i];
+		Datum		values[IDEM_STAT_NCOUNTERS + 3];
+		bool		nulls[IDEM_STAT_NCOUNTERS + 3] = {0};
+		TimestampTz at;
+		double		ms;
+
+		if (e->dbid == InvalidOid)
+			continue;
+		values[0] = ObjectIdGetDatum(e->dbid);
+		for (int c = 0; c < IDEM_STAT_NCOUNTERS; c++)
+			values[c + 1] = Int64GetDatum((int64)
+										  pg_atomic_read_u64(&e->counters[c]));
+		SpinLockAcquire(&e->mutex);
+		at = e->last_sweep_at;
+		ms = e->last_sweep_ms;
+		SpinLockRelease(&e->mutex);
+		values[IDEM_STAT_NCOUNTERS + 1] = TimestampTzGetDatum(at);
+		nulls[IDEM_STAT_NCOUNTERS + 1] = (at == 0);
+		values[IDEM_STAT_NCOUNTERS + 2] = Float8GetDatum(ms);
+		nulls[IDEM_STAT_NCOUNTERS + 2] = (at == 0);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
+							 nulls);
+	}
+	PG_RETURN_VOID();
+}
+
+/*
+ * idempotency.stats_reset(): zero the counters of every database.  Not
+ * granted to PUBLIC.  A no-op without preloading.
+ */
+Datum
+idem_stats_reset(PG_FUNCTION_ARGS)
+{
+	if (stats_shared == NULL)
+		PG_RETURN_VOID();
+	for (int i = 0; i < STATS_MAX_DATABASES; i++)
+	{
+		StatsEntry *e = &stats_shared->entries[i];
+
+		for (int c = 0; c < IDEM_STAT_NCOUNTERS; c++)
+			pg_atomic_write_u64(&e->counters[c], 0);
+		SpinLockAcquire(&e->mutex);
+		e->last_sweep_at = 0;
+		e->last_sweep_ms = 0;
+		SpinLockRelease(&e->mutex);
+	}
+	PG_RETURN_VOID();
+}

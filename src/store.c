@@ -1,0 +1,626 @@
+/*-------------------------------------------------------------------------
+ *
+ * store.c
+ *	  The key store: idempotency.keys, its primary key and token sequence.
+ *
+ * Owns every access to the table:
+ *	  - finding the extension's relations (cached, reset on invalidation);
+ *	  - the probe: a direct primary-key index scan that reads one key either
+ *	    at its newest state (a dirty snapshot, which also reports whether
+ *	    another transaction is changing the row right now) or through the
+ *	    caller's MVCC snapshot;
+ *	  - the per-key advisory lock that serialises critical sections;
+ *	  - the writes, as SPI statements prepared once per backend, run as the
+ *	    table owner, every object and operator schema-qualified, addressing
+ *	    the probed row by its ctid.
+ * Must not decide outcomes (api.c and sweep.c do), and must never wait on
+ * another transaction's row: callers write only after a probe under the
+ * key's lock showed that nobody else is changing the row.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/genam.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/stratnum.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_type.h"
+#include "commands/sequence.h"
+#include "executor/spi.h"
+#include "executor/tuptable.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "storage/lock.h"
+#include "utils/builtins.h"
+#include "utils/datum.h"
+#include "utils/fmgroids.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/rel.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+
+#include "idempotency.h"
+
+/*
+ * The fourth field of our advisory lock tags.  pg_advisory_lock() uses 1
+ * and 2; a private value keeps our per-key locks apart from the
+ * application's own advisory lock numbers.
+ */
+#define IDEM_LOCKTAG_FIELD4		0x1de7
+
+/* Columns of idempotency.keys, in table order. */
+enum
+{
+	COL_SCOPE = 1,
+	COL_KEY,
+	COL_STATUS,
+	COL_TOKEN,
+	COL_ATTEMPT,
+	COL_FINGERPRINT,
+	COL_RESPONSE_CODE,
+	COL_RESPONSE_BODY,
+	COL_CREATED_AT,
+	COL_FINISHED_AT,
+	COL_LEASE_UNTIL,
+	COL_EXPIRES_AT,
+	COL_RETENTION,
+	COL_SWEEP_AT,
+	NUM_COLS = COL_SWEEP_AT
+};
+
+/* The extension's relations, looked up once and reset on invalidation. */
+typedef struct StoreRels
+{
+	bool		valid;
+	Oid			keys;
+	Oid			pkey;
+	Oid			token_seq;
+} StoreRels;
+
+static StoreRels rels;
+static bool callback_registered = false;
+
+/* The prepared writes. */
+typedef enum StorePlan
+{
+	PLAN_INSERT_CLAIM,
+	PLAN_UPDATE_CLAIM,
+	PLAN_FINISH,
+	PLAN_EXTEND,
+	PLAN_DELETE,
+	PLAN_RESET,
+	PLAN_SWEEP_CANDIDATES,
+	NUM_PLANS
+} StorePlan;
+
+typedef struct StorePlanDef
+{
+	const char *sql;
+	int			nargs;
+	Oid			argtypes[8];
+} StorePlanDef;
+
+static const StorePlanDef plan_defs[NUM_PLANS] = {
+	[PLAN_INSERT_CLAIM] = {
+		"INSERT INTO idempotency.keys (scope, key, status, token, attempt, "
+		"fingerprint, created_at, lease_until, expires_at, retention, sweep_at) "
+		"VALUES ($1, $2, 'pending', $3, 1, $4, $5, $6, $7, $8, $6)",
+		8, {TEXTOID, TEXTOID, INT8OID, BYTEAOID, TIMESTAMPTZOID,
+		TIMESTAMPTZOID, TIMESTAMPTZOID, INTERVALOID}
+	},
+	[PLAN_UPDATE_CLAIM] = {
+		"UPDATE idempotency.keys SET status = 'pending', token = $2, "
+		"attempt = $3, fingerprint = $4, response_code = NULL, "
+		"response_body = NULL, created_at = $5, finished_at = NULL, "
+		"lease_until = $6, expires_at = $7, retention = $8, sweep_at = $6 "
+		"WHERE ctid OPERATOR(pg_catalog.=) $1",
+		8, {TIDOID, INT8OID, INT4OID, BYTEAOID, TIMESTAMPTZOID,
+		TIMESTAMPTZOID, TIMESTAMPTZOID, INTERVALOID}
+	},
+	[PLAN_FINISH] = {
+		"UPDATE idempotency.keys SET status = $2, response_code = $3, "
+		"response_body = $4, finished_at = $5, lease_until = NULL, "
+		"expires_at = $6, sweep_at = $6 "
+		"WHERE ctid OPERATOR(pg_catalog.=) $1",
+		6, {TIDOID, TEXTOID, INT4OID, JSONBOID, TIMESTAMPTZOID,
+		TIMESTAMPTZOID}
+	},
+	[PLAN_EXTEND] = {
+		"UPDATE idempotency.keys SET lease_until = $2, expires_at = $3, "
+		"sweep_at = $2 WHERE ctid OPERATOR(pg_catalog.=) $1",
+		3, {TIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
+	},
+	[PLAN_DELETE] = {
+		"DELETE FROM idempotency.keys WHERE ctid OPERATOR(pg_catalog.=) $1",
+		1, {TIDOID}
+	},
+	[PLAN_RESET] = {
+		"UPDATE idempotency.keys SET token = NULL, sweep_at = expires_at "
+		"WHERE ctid OPERATOR(pg_catalog.=) $1",
+		1, {TIDOID}
+	},
+	[PLAN_SWEEP_CANDIDATES] = {
+		"SELECT scope, key FROM idempotency.keys "
+		"WHERE sweep_at OPERATOR(pg_catalog.<=) $1 "
+		"ORDER BY sweep_at LIMIT $2",
+		2, {TIMESTAMPTZOID, INT8OID}
+	},
+};
+
+static SPIPlanPtr plans[NUM_PLANS];
+
+/* State of an open store section (idem_store_begin .. idem_store_end). */
+static MemoryContext caller_cxt = NULL;
+static Oid	saved_userid;
+static int	saved_sec_context;
+
+static const char *const status_names[] = {"pending", "succeeded", "failed"};
+
+/* Forget cached relation OIDs when any of our relations changes. */
+static void
+store_relcache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == rels.keys || relid == rels.pkey ||
+		relid == rels.token_seq)
+		rels.valid = false;
+}
+
+/*
+ * Find the extension's relations.  The schema name is fixed (the extension
+ * is not relocatable), so no search_path is involved.
+ */
+static void
+store_lookup_rels(void)
+{
+	Oid			nsp;
+
+	if (rels.valid)
+		return;
+	if (!callback_registered)
+	{
+		CacheRegisterRelcacheCallback(store_relcache_callback, (Datum) 0);
+		callback_registered = true;
+	}
+	nsp = get_namespace_oid("idempotency", true);
+	if (OidIsValid(nsp))
+	{
+		rels.keys = get_relname_relid("keys", nsp);
+		rels.pkey = get_relname_relid("keys_pkey", nsp);
+		rels.token_seq = get_relname_relid("token_seq", nsp);
+	}
+	if (!OidIsValid(nsp) || !OidIsValid(rels.keys) ||
+		!OidIsValid(rels.pkey) || !OidIsValid(rels.token_seq))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_OBJECT),
+				 errmsg("extension \"idempotency\" is not installed in this database"),
+				 errhint("Run CREATE EXTENSION idempotency.")));
+	rels.valid = true;
+}
+
+/* Copy one column of a probed row into *row. */
+static void
+store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
+{
+	Datum	   *v;
+	bool	   *n;
+	const char *status;
+	bytea	   *fp;
+
+	slot_getallattrs(slot);
+	v = slot->tts_values;
+	n = slot->tts_isnull;
+
+	status = VARDATA_ANY(DatumGetPointer(v[COL_STATUS - 1]));
+	row->status = status[0] == 'p' ? IDEM_PENDING :
+		status[0] == 's' ? IDEM_SUCCEEDED : IDEM_FAILED;
+	row->has_token = !n[COL_TOKEN - 1];
+	row->token = row->has_token ? DatumGetInt64(v[COL_TOKEN - 1]) : 0;
+	row->attempt = DatumGetInt32(v[COL_ATTEMPT - 1]);
+	row->has_fingerprint = !n[COL_FINGERPRINT - 1];
+	if (row->has_fingerprint)
+	{
+		fp = DatumGetByteaPP(v[COL_FINGERPRINT - 1]);
+		if (VARSIZE_ANY_EXHDR(fp) != IDEM_FINGERPRINT_LEN)
+			elog(ERROR, "stored fingerprint has length %d",
+				 (int) VARSIZE_ANY_EXHDR(fp));
+		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
+	}
+	row->has_response_code = !n[COL_RESPONSE_CODE - 1];
+	row->response_code = row->has_response_code ?
+		DatumGetInt32(v[COL_RESPONSE_CODE - 1]) : 0;
+	/* Keep the body as stored (possibly a TOAST pointer): cheap to copy. */
+	row->response_body = (want_body && !n[COL_RESPONSE_BODY - 1]) ?
+		datumCopy(v[COL_RESPONSE_BODY - 1], false, -1) : (Datum) 0;
+	row->created_at = DatumGetTimestampTz(v[COL_CREATED_AT - 1]);
+	row->has_finished_at = !n[COL_FINISHED_AT - 1];
+	row->finished_at = row->has_finished_at ?
+		DatumGetTimestampTz(v[COL_FINISHED_AT - 1]) : 0;
+	row->has_lease_until = !n[COL_LEASE_UNTIL - 1];
+	row->lease_until = row->has_lease_until ?
+		DatumGetTimestampTz(v[COL_LEASE_UNTIL - 1]) : 0;
+	row->expires_at = DatumGetTimestampTz(v[COL_EXPIRES_AT - 1]);
+	memcpy(&row->retention, DatumGetIntervalP(v[COL_RETENTION - 1]),
+		   sizeof(Interval));
+}
+
+/*
+ * Read one key through its primary key.
+ *
+ * IDEM_PROBE_LATEST reads with a dirty snapshot: it sees the newest
+ * committed version and our own transaction's changes, and it marks the
+ * row busy when another transaction has inserted, updated or deleted it
+ * and not yet ended.  It never waits.  IDEM_PROBE_SNAPSHOT reads what the
+ * active snapshot sees (idem_lookup, and hot standbys).
+ */
+void
+idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
+				 IdemRow *row)
+{
+	Relation	heap;
+	Relation	index;
+	SnapshotData dirty;
+	Snapshot	snapshot;
+	ScanKeyData skey[2];
+	IndexScanDesc scan;
+	TupleTableSlot *slot;
+
+	memset(row, 0, sizeof(IdemRow));
+	store_lookup_rels();
+
+	heap = table_open(rels.keys, AccessShareLock);
+	index = index_open(rels.pkey, AccessShareLock);
+	if (RelationGetNumberOfAttributes(heap) != NUM_COLS)
+		elog(ERROR, "table \"idempotency.keys\" has %d columns, expected %d",
+			 RelationGetNumberOfAttributes(heap), NUM_COLS);
+
+	if (mode == IDEM_PROBE_LATEST)
+	{
+		InitDirtySnapshot(dirty);
+		snapshot = &dirty;
+	}
+	else
+		snapshot = GetActiveSnapshot();
+
+	/* ScanKeyInit compares with the "C" collation, as the columns do. */
+	ScanKeyInit(&skey[0], COL_SCOPE, BTEqualStrategyNumber, F_TEXTEQ,
+				PointerGetDatum(scope));
+	ScanKeyInit(&skey[1], COL_KEY, BTEqualStrategyNumber, F_TEXTEQ,
+				PointerGetDatum(key));
+
+	slot = table_slot_create(heap, NULL);
+	scan = index_beginscan(heap, index, snapshot, 2, 0);
+	index_rescan(scan, skey, 2, NULL, 0);
+	while (index_getnext_slot(scan, ForwardScanDirection, slot))
+	{
+		HeapTuple	tuple;
+		bool		should_free;
+
+		if (mode == IDEM_PROBE_LATEST &&
+			(TransactionIdIsValid(dirty.xmin) ||
+			 TransactionIdIsValid(dirty.xmax)))
+		{
+			row->busy = true;
+			continue;
+		}
+		tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
+		row->found = true;
+		row->tid = tuple->t_self;
+		row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
+		row->mine = TransactionIdIsCurrentTransactionId(row->xmin);
+		store_read_slot(slot, want_body, row);
+		if (should_free)
+			heap_freetuple(tuple);
+	}
+	index_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	index_close(index, NoLock);
+	table_close(heap, NoLock);
+}
+
+/*
+ * Under REPEATABLE READ and SERIALIZABLE a write may only build on a row
+ * that the transaction's snapshot sees; a newer row means a concurrent
+ * change, which these levels report as a serialization failure.
+ */
+void
+idem_store_check_snapshot(const IdemRow *row)
+{
+	if (!IsolationUsesXactSnapshot() || !row->found || row->mine)
+		return;
+	if (XidInMVCCSnapshot(row->xmin, GetTransactionSnapshot()))
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("could not serialize access due to concurrent update of an idempotency key"),
+				 errhint("Retry the transaction.")));
+}
+
+/* Fill the advisory lock tag of a key hash. */
+static void
+store_locktag(LOCKTAG *tag, uint64 hash)
+{
+	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (hash >> 32),
+						 (uint32) hash, IDEM_LOCKTAG_FIELD4);
+}
+
+/*
+ * Take the key's advisory lock, transaction-level so that an ERROR inside
+ * the critical section releases it with the (sub)transaction.  Returns
+ * false when "wait" is false and another backend holds it.  Critical
+ * sections never wait on anything, so a waiting acquire is short.
+ */
+bool
+idem_store_lock(uint64 hash, bool wait)
+{
+	LOCKTAG		tag;
+
+	store_locktag(&tag, hash);
+	return LockAcquire(&tag, ExclusiveLock, false, !wait) !=
+		LOCKACQUIRE_NOT_AVAIL;
+}
+
+/*
+ * Release the key's lock at the end of the critical section, so nothing is
+ * held per key until commit (a batch of 10,000 claims must not fill the
+ * lock table).
+ */
+void
+idem_store_unlock(uint64 hash)
+{
+	LOCKTAG		tag;
+
+	store_locktag(&tag, hash);
+	LockRelease(&tag, ExclusiveLock, false);
+}
+
+/* The next fencing token: larger than every token issued before. */
+int64
+idem_store_next_token(void)
+{
+	store_lookup_rels();
+	return nextval_internal(rels.token_seq, false);
+}
+
+/* Prepare (once per backend) and return one of the store's statements. */
+static SPIPlanPtr
+store_plan(StorePlan which)
+{
+	if (plans[which] == NULL)
+	{
+		const StorePlanDef *def = &plan_defs[which];
+		SPIPlanPtr	plan;
+
+		plan = SPI_prepare_cursor(def->sql, def->nargs,
+								  (Oid *) def->argtypes,
+								  CURSOR_OPT_GENERIC_PLAN);
+		if (plan == NULL)
+			elog(ERROR, "could not prepare idempotency statement: %s",
+				 SPI_result_code_string(SPI_result));
+		if (SPI_keepplan(plan) != 0)
+			elog(ERROR, "could not keep idempotency statement");
+		plans[which] = plan;
+	}
+	return plans[which];
+}
+
+/*
+ * Open a store section: connect SPI and act as the table's owner, with
+ * restricted security, until idem_store_end.  An ERROR in between is
+ * cleaned up by transaction abort (SPI and the user id both).
+ */
+void
+idem_store_begin(void)
+{
+	Relation	heap;
+	Oid			owner;
+
+	store_lookup_rels();
+	heap = table_open(rels.keys, AccessShareLock);
+	owner = heap->rd_rel->relowner;
+	table_close(heap, NoLock);
+
+	caller_cxt = CurrentMemoryContext;
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	GetUserIdAndSecContext(&saved_userid, &saved_sec_context);
+	SetUserIdAndSecContext(owner, saved_sec_context |
+						   SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+}
+
+/* Close a store section opened by idem_store_begin. */
+void
+idem_store_end(void)
+{
+	SetUserIdAndSecContext(saved_userid, saved_sec_context);
+	if (SPI_finish() != SPI_OK_FINISH)
+		elog(ERROR, "SPI_finish failed");
+	caller_cxt = NULL;
+}
+
+/*
+ * Run one prepared write that must touch exactly the probed row.  Zero
+ * rows means the row is not visible to this statement's snapshot, which
+ * only happens under REPEATABLE READ or SERIALIZABLE after a concurrent
+ * change.
+ */
+static void
+store_write(StorePlan which, Datum *values, const char *nulls, int ok_rc)
+{
+	int			rc;
+
+	rc = SPI_execute_plan(store_plan(which), values, nulls, false, 0);
+	if (rc != ok_rc)
+		elog(ERROR, "idempotency statement failed: %s",
+			 SPI_result_code_string(rc));
+	if (SPI_processed != 1)
+	{
+		if (IsolationUsesXactSnapshot())
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to concurrent update of an idempotency key"),
+					 errhint("Retry the transaction.")));
+		elog(ERROR, "idempotency key row vanished during a write");
+	}
+}
+
+/* A bytea Datum of a fingerprint, or NULL. */
+static Datum
+store_fingerprint_datum(const uint8 *fingerprint, char *null)
+{
+	bytea	   *b;
+
+	if (fingerprint == NULL)
+	{
+		*null = 'n';
+		return (Datum) 0;
+	}
+	*null = ' ';
+	b = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	SET_VARSIZE(b, VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	memcpy(VARDATA(b), fingerprint, IDEM_FINGERPRINT_LEN);
+	return PointerGetDatum(b);
+}
+
+/* Insert a new pending key (first attempt). */
+void
+idem_store_insert_claim(text *scope, text *key, int64 token,
+						const uint8 *fingerprint, TimestampTz now,
+						TimestampTz lease_until, TimestampTz expires_at,
+						Interval *retention)
+{
+	Datum		values[8];
+	char		nulls[9] = "        ";
+
+	values[0] = PointerGetDatum(scope);
+	values[1] = PointerGetDatum(key);
+	values[2] = Int64GetDatum(token);
+	values[3] = store_fingerprint_datum(fingerprint, &nulls[3]);
+	values[4] = TimestampTzGetDatum(now);
+	values[5] = TimestampTzGetDatum(lease_until);
+	values[6] = TimestampTzGetDatum(expires_at);
+	values[7] = IntervalPGetDatum(retention);
+	store_write(PLAN_INSERT_CLAIM, values, nulls, SPI_OK_INSERT);
+}
+
+/*
+ * Turn the probed row into a new pending attempt: a takeover (attempt + 1)
+ * or a fresh claim over a row past its retention (attempt 1).
+ */
+void
+idem_store_update_claim(const IdemRow *row, int64 token, int32 attempt,
+						const uint8 *fingerprint, TimestampTz created_at,
+						TimestampTz lease_until, TimestampTz expires_at,
+						Interval *retention)
+{
+	Datum		values[8];
+	char		nulls[9] = "        ";
+
+	values[0] = PointerGetDatum(&row->tid);
+	values[1] = Int64GetDatum(token);
+	values[2] = Int32GetDatum(attempt);
+	values[3] = store_fingerprint_datum(fingerprint, &nulls[3]);
+	values[4] = TimestampTzGetDatum(created_at);
+	values[5] = TimestampTzGetDatum(lease_until);
+	values[6] = TimestampTzGetDatum(expires_at);
+	values[7] = IntervalPGetDatum(retention);
+	store_write(PLAN_UPDATE_CLAIM, values, nulls, SPI_OK_UPDATE);
+}
+
+/* Store the result of the probed pending row. */
+void
+idem_store_finish(const IdemRow *row, IdemStatus status, bool has_code,
+				  int32 code, Datum body, TimestampTz now,
+				  TimestampTz expires_at)
+{
+	Datum		values[6];
+	char		nulls[7] = "      ";
+
+	values[0] = PointerGetDatum(&row->tid);
+	values[1] = CStringGetTextDatum(status_names[status]);
+	values[2] = Int32GetDatum(code);
+	if (!has_code)
+		nulls[2] = 'n';
+	values[3] = body;
+	if (body == (Datum) 0)
+		nulls[3] = 'n';
+	values[4] = TimestampTzGetDatum(now);
+	values[5] = TimestampTzGetDatum(expires_at);
+	store_write(PLAN_FINISH, values, nulls, SPI_OK_UPDATE);
+}
+
+/* Push the lease (and the pending expiry) of the probed row. */
+void
+idem_store_extend(const IdemRow *row, TimestampTz lease_until,
+				  TimestampTz expires_at)
+{
+	Datum		values[3];
+
+	values[0] = PointerGetDatum(&row->tid);
+	values[1] = TimestampTzGetDatum(lease_until);
+	values[2] = TimestampTzGetDatum(expires_at);
+	store_write(PLAN_EXTEND, values, NULL, SPI_OK_UPDATE);
+}
+
+/* Delete the probed row (release, or a sweep of an expired key). */
+void
+idem_store_delete(const IdemRow *row)
+{
+	Datum		values[1];
+
+	values[0] = PointerGetDatum(&row->tid);
+	store_write(PLAN_DELETE, values, NULL, SPI_OK_DELETE);
+}
+
+/* Kill the token of the probed stale pending row (a sweep reset). */
+void
+idem_store_reset(const IdemRow *row)
+{
+	Datum		values[1];
+
+	values[0] = PointerGetDatum(&row->tid);
+	store_write(PLAN_RESET, values, NULL, SPI_OK_UPDATE);
+}
+
+/*
+ * Up to "limit" keys the sweeper may have work on at "now", oldest first,
+ * copied into the caller's memory context.  Returns how many.
+ */
+int
+idem_store_sweep_candidates(TimestampTz now, int limit, text ***scopes,
+							text ***keys)
+{
+	Datum		values[2];
+	int			rc;
+	int			n;
+	MemoryContext old;
+
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int64GetDatum((int64) limit);
+	rc = SPI_execute_plan(store_plan(PLAN_SWEEP_CANDIDATES), values, NULL,
+						  true, 0);
+	if (rc != SPI_OK_SELECT)
+		elog(ERROR, "idempotency sweep query failed: %s",
+			 SPI_result_code_string(rc));
+
+	n = (int) SPI_processed;
+	old = MemoryContextSwitchTo(caller_cxt);
+	*scopes = palloc(sizeof(text *) * Max(n, 1));
+	*keys = palloc(sizeof(text *) * Max(n, 1));
+	for (int i = 0; i < n; i++)
+	{
+		HeapTuple	tup = SPI_tuptable->vals[i];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+		bool		isnull;
+
+		(*scopes)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 1, &isnull));
+		(*keys)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 2, &isnull));
+	}
+	MemoryContextSwitchTo(old);
+	return n;
+}

@@ -1,0 +1,234 @@
+/*-------------------------------------------------------------------------
+ *
+ * wait.c
+ *	  Waiting for an in-flight attempt to settle.
+ *
+ * Owns the shared-memory waiter slots (one per PGPROC) and the wake-up:
+ * a backend that waits in idem_claim(wait => ...) publishes the hash of
+ * the key it waits for; every transaction remembers the keys it wrote and,
+ * at commit or abort (and at the abort of a subtransaction), sets the latch
+ * of each backend waiting for one of them in this database.  The waiter
+ * then probes again.  Without shared_preload_libraries there are no slots:
+ * waiters poll instead (api.c), and this file only keeps its bookkeeping.
+ * Must not decide outcomes or touch the table.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/twophase.h"
+#include "access/xact.h"
+#include "miscadmin.h"
+#include "port/atomics.h"
+#include "storage/ipc.h"
+#include "storage/latch.h"
+#include "storage/proc.h"
+#include "storage/shmem.h"
+
+#include "idempotency.h"
+
+/* Keys remembered per transaction before we fall back to "wake all". */
+#define WAIT_TOUCHED_MAX	64
+
+typedef struct WaitSlot
+{
+	pg_atomic_uint64 hash;		/* key waited for, 0 = not waiting */
+	Oid			dbid;			/* written before hash is published */
+} WaitSlot;
+
+typedef struct WaitShared
+{
+	pg_atomic_uint32 nwaiting;	/* slots with a non-zero hash */
+	int			nslots;
+	WaitSlot	slots[FLEXIBLE_ARRAY_MEMBER];
+} WaitShared;
+
+static WaitShared *wait_shared = NULL;
+
+/* Keys this transaction wrote (claims, finishes, releases, sweeps...). */
+static uint64 touched[WAIT_TOUCHED_MAX];
+static int	ntouched = 0;
+static bool touched_overflow = false;
+
+/* Whether this backend's slot is published. */
+static bool registered = false;
+
+/* Number of PGPROC entries, which is what a pgprocno indexes. */
+static int
+wait_nslots(void)
+{
+	return MaxBackends + NUM_AUXILIARY_PROCS + max_prepared_xacts;
+}
+
+static Size
+wait_shmem_size(void)
+{
+	return add_size(offsetof(WaitShared, slots),
+					mul_size(sizeof(WaitSlot), wait_nslots()));
+}
+
+/* Reserve our shared memory (called from the shmem request hook). */
+void
+idem_wait_shmem_request(void)
+{
+	RequestAddinShmemSpace(wait_shmem_size());
+}
+
+/* Create or attach our shared memory (called with AddinShmemInitLock). */
+void
+idem_wait_shmem_startup(void)
+{
+	bool		found;
+
+	wait_shared = ShmemInitStruct("idempotency waiters", wait_shmem_size(),
+								  &found);
+	if (!found)
+	{
+		pg_atomic_init_u32(&wait_shared->nwaiting, 0);
+		wait_shared->nslots = wait_nslots();
+		for (int i = 0; i < wait_shared->nslots; i++)
+		{
+			pg_atomic_init_u64(&wait_shared->slots[i].hash, 0);
+			wait_shared->slots[i].dbid = InvalidOid;
+		}
+	}
+}
+
+/* True when waiters can be woken (the library was preloaded). */
+bool
+idem_wait_preloaded(void)
+{
+	return wait_shared != NULL;
+}
+
+/*
+ * Set the latch of every backend of this database waiting for a key this
+ * transaction wrote.  Called after the commit or abort is visible to
+ * others, so a woken waiter's next probe sees the settled state.
+ */
+static void
+wait_wake(void)
+{
+	if (wait_shared == NULL || (ntouched == 0 && !touched_overflow))
+		return;
+	pg_memory_barrier();
+	if (pg_atomic_read_u32(&wait_shared->nwaiting) == 0)
+		return;
+	for (int i = 0; i < wait_shared->nslots; i++)
+	{
+		uint64		h = pg_atomic_read_u64(&wait_shared->slots[i].hash);
+		bool		match = touched_overflow;
+
+		if (h == 0)
+			continue;
+		pg_read_barrier();
+		if (wait_shared->slots[i].dbid != MyDatabaseId)
+			continue;
+		for (int j = 0; j < ntouched && !match; j++)
+			match = (touched[j] == h);
+		if (match)
+			SetLatch(&GetPGProcByNumber(i)->procLatch);
+	}
+}
+
+/* Wake waiters when a transaction ends; then forget its keys. */
+static void
+wait_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_ABORT:
+		case XACT_EVENT_PREPARE:
+			wait_wake();
+			ntouched = 0;
+			touched_overflow = false;
+			break;
+		default:
+			break;
+	}
+}
+
+/*
+ * A rolled-back savepoint may have held claims: wake their waiters now.
+ * The keys stay remembered for the top-level end (harmless extra wake-up).
+ */
+static void
+wait_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+					  SubTransactionId parentSubid, void *arg)
+{
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		wait_wake();
+}
+
+/* Clear our slot if the backend exits while published (FATAL, die). */
+static void
+wait_before_shmem_exit(int code, Datum arg)
+{
+	idem_wait_unregister();
+}
+
+/* Register the transaction callbacks (with or without preloading). */
+void
+idem_wait_init(void)
+{
+	RegisterXactCallback(wait_xact_callback, NULL);
+	RegisterSubXactCallback(wait_subxact_callback, NULL);
+}
+
+/*
+ * Publish that this backend waits for the key "hash".  The caller probes
+ * again after this (and after each ResetLatch), so a settle that happens
+ * between its probe and its sleep is never missed.
+ */
+void
+idem_wait_register(uint64 hash)
+{
+	static bool exit_hook = false;
+	WaitSlot   *slot;
+
+	if (wait_shared == NULL || registered)
+		return;
+	if (!exit_hook)
+	{
+		before_shmem_exit(wait_before_shmem_exit, (Datum) 0);
+		exit_hook = true;
+	}
+	if (MyProc == NULL || MyProc->pgprocno >= wait_shared->nslots)
+		return;
+	slot = &wait_shared->slots[MyProc->pgprocno];
+	slot->dbid = MyDatabaseId;
+	pg_write_barrier();
+	pg_atomic_write_u64(&slot->hash, hash);
+	pg_atomic_fetch_add_u32(&wait_shared->nwaiting, 1);
+	registered = true;
+	pg_memory_barrier();
+}
+
+/* Withdraw this backend's slot; safe to call when not published. */
+void
+idem_wait_unregister(void)
+{
+	if (!registered)
+		return;
+	pg_atomic_write_u64(&wait_shared->slots[MyProc->pgprocno].hash, 0);
+	pg_atomic_fetch_sub_u32(&wait_shared->nwaiting, 1);
+	registered = false;
+}
+
+/* Remember that this transaction wrote the key "hash". */
+void
+idem_wait_touched(uint64 hash)
+{
+	if (wait_shared == NULL || touched_overflow)
+		return;
+	for (int i = 0; i < ntouched; i++)
+		if (touched[i] == hash)
+			return;
+	if (ntouched < WAIT_TOUCHED_MAX)
+		touched[ntouched++] = hash;
+	else
+		touched_overflow = true;
+}

@@ -1,0 +1,15 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker.c
+ *	  The background sweeper (being written: registers nothing yet).
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "idempotency.h"
+
+void
+idem_worker_init(void)
+{
+}
