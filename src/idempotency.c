@@ -40,6 +40,7 @@ idem_shmem_request(void)
 #endif
 	idem_wait_shmem_request();
 	idem_stats_shmem_request();
+	idem_worker_shmem_request();
 }
 
 /* Create or attach the shared memory of every part. */
@@ -51,6 +52,7 @@ idem_shmem_startup(void)
 	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
 	idem_wait_shmem_startup();
 	idem_stats_shmem_startup();
+	idem_worker_shmem_startup();
 	LWLockRelease(AddinShmemInitLock);
 }
 

@@ -156,5 +156,7 @@ extern void idem_sweep_batch_run(int batch, int64 *expired, int64 *reset);
 
 /* ---- worker.c ---- */
 extern void idem_worker_init(void);
+extern void idem_worker_shmem_request(void);
+extern void idem_worker_shmem_startup(void);
 
 #endif							/* IDEMPOTENCY_H */

@@ -1,15 +1,496 @@
 /*-------------------------------------------------------------------------
  *
  * worker.c
- *	  The background sweeper (being written: registers nothing yet).
+ *	  The background sweeper: a launcher and one short-lived worker per
+ *	  database visit.
+ *
+ * Owns the two background workers and their shared report slot.
+ *
+ * The launcher (one static worker, registered only when the library is
+ * preloaded) is connected to no database.  Once per idempotency.sweep_interval
+ * it lists the databases that allow connections and are not templates, and
+ * visits them one at a time: it starts a dynamic "sweeper" worker connected
+ * to that database and waits for it to exit.  So the extension costs one
+ * worker slot (two during a visit) however many databases there are, picks
+ * up new databases at the next round, and never sits in template1 (CREATE
+ * DATABASE would fail).
+ *
+ * A sweeper checks that the extension is installed (a committed CREATE
+ * EXTENSION; one being created right now is not visible yet), then runs
+ * sweep batches of idempotency.sweep_batch keys, one transaction each,
+ * until a batch is not full or its time slice ends (visits stay short, so
+ * DROP DATABASE never waits long for it).  It reports to the launcher
+ * through shared memory: done, more work, no extension, or the error that
+ * stopped it.  The launcher logs a failure once per database and cause and
+ * backs off that database; one database can never stop it.  Must not
+ * decide which keys to sweep (sweep.c does).
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "access/xlog.h"
+#include "catalog/pg_database.h"
+#include "commands/extension.h"
+#include "fmgr.h"
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "postmaster/bgworker.h"
+#include "postmaster/interrupt.h"
+#include "storage/ipc.h"
+#include "storage/latch.h"
+#include "storage/lwlock.h"
+#include "storage/proc.h"
+#include "storage/shmem.h"
+#include "storage/spin.h"
+#include "tcop/tcopprot.h"
+#include "utils/guc.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+
 #include "idempotency.h"
 
+/* How long one visit may sweep before it yields to the next round. */
+#define VISIT_SLICE_MS			1000
+/* Pause between rounds while some database still has work. */
+#define MORE_WORK_PAUSE_MS		100
+/* Longest back-off of a database whose sweep keeps failing. */
+#define MAX_BACKOFF_MS			(60 * 60 * 1000)
+/* Databases the launcher remembers failures of. */
+#define MAX_TRACKED_DBS			1024
+/* How often the launcher looks at its settings while sweeping is off. */
+#define IDLE_CHECK_MS			(60 * 1000)
+
+typedef enum VisitResult
+{
+	VISIT_NONE = 0,				/* the sweeper exited without reporting */
+	VISIT_DONE,					/* swept everything due */
+	VISIT_MORE,					/* its time slice ended with work left */
+	VISIT_NO_EXTENSION,			/* the extension is not installed there */
+	VISIT_FAILED				/* an error stopped it; see message */
+} VisitResult;
+
+/* Report of the current visit, written by the sweeper, read by the launcher. */
+typedef struct WorkerShared
+{
+	slock_t		mutex;
+	Oid			dbid;
+	VisitResult result;
+	char		message[256];
+} WorkerShared;
+
+static WorkerShared *worker_shared = NULL;
+
+/* What the launcher remembers about a database's failures. */
+typedef struct DbTrack
+{
+	Oid			dbid;
+	int			failures;
+	TimestampTz next_try;
+	char		last_message[256];
+} DbTrack;
+
+static DbTrack tracked[MAX_TRACKED_DBS];
+static int	ntracked = 0;
+
+PGDLLEXPORT void idem_launcher_main(Datum arg);
+PGDLLEXPORT void idem_sweeper_main(Datum arg);
+
+/* ---------------------------------------------------------------------
+ * Registration and shared memory
+ * ---------------------------------------------------------------------
+ */
+
+/* Register the launcher (only while shared_preload_libraries loads us). */
 void
 idem_worker_init(void)
 {
+	BackgroundWorker worker;
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS |
+		BGWORKER_BACKEND_DATABASE_CONNECTION;
+	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	worker.bgw_restart_time = 10;
+	snprintf(worker.bgw_library_name, BGW_MAXLEN, "idempotency");
+	snprintf(worker.bgw_function_name, BGW_MAXLEN, "idem_launcher_main");
+	snprintf(worker.bgw_name, BGW_MAXLEN, "idempotency launcher");
+	snprintf(worker.bgw_type, BGW_MAXLEN, "idempotency launcher");
+	RegisterBackgroundWorker(&worker);
+}
+
+/* Reserve the report slot (called from the shmem request hook). */
+void
+idem_worker_shmem_request(void)
+{
+	RequestAddinShmemSpace(sizeof(WorkerShared));
+}
+
+/* Create or attach the report slot (called with AddinShmemInitLock). */
+void
+idem_worker_shmem_startup(void)
+{
+	bool		found;
+
+	worker_shared = ShmemInitStruct("idempotency worker",
+									sizeof(WorkerShared), &found);
+	if (!found)
+	{
+		SpinLockInit(&worker_shared->mutex);
+		worker_shared->dbid = InvalidOid;
+		worker_shared->result = VISIT_NONE;
+		worker_shared->message[0] = '\0';
+	}
+}
+
+/* The sweeper's report on its visit. */
+static void
+worker_report(VisitResult result, const char *message)
+{
+	SpinLockAcquire(&worker_shared->mutex);
+	worker_shared->dbid = MyDatabaseId;
+	worker_shared->result = result;
+	strlcpy(worker_shared->message, message ? message : "",
+			sizeof(worker_shared->message));
+	SpinLockRelease(&worker_shared->mutex);
+}
+
+/* ---------------------------------------------------------------------
+ * The per-database sweeper
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * Is the extension installed in this database?  Only a committed CREATE
+ * EXTENSION is visible to our catalog snapshot, so a database in which it
+ * is being created right now is left alone until the next round.
+ */
+static bool
+sweeper_extension_installed(void)
+{
+	return OidIsValid(get_extension_oid("idempotency", true));
+}
+
+/*
+ * Run one sweep batch in a transaction of its own, in worker_spi's order.
+ * Returns false when the extension is not installed.
+ */
+static bool
+sweeper_batch(int batch, int64 *expired, int64 *reset)
+{
+	bool		installed;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	PushActiveSnapshot(GetTransactionSnapshot());
+	pgstat_report_activity(STATE_RUNNING, "idempotency sweep");
+
+	installed = sweeper_extension_installed();
+	if (installed)
+		idem_sweep_batch_run(batch, expired, reset);
+
+	PopActiveSnapshot();
+	CommitTransactionCommand();
+	pgstat_report_stat(false);
+	pgstat_report_activity(STATE_IDLE, NULL);
+	return installed;
+}
+
+/*
+ * Main of a sweeper: sweep the database given as argument, batch after
+ * batch, for at most one time slice, then report and exit.  An error is
+ * reported to the launcher (which logs it once) instead of being logged on
+ * every round.
+ */
+void
+idem_sweeper_main(Datum arg)
+{
+	Oid			dbid = DatumGetObjectId(arg);
+	TimestampTz start;
+	volatile int64 expired = 0;
+	volatile int64 reset = 0;
+	MemoryContext cxt = CurrentMemoryContext;
+
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, die);
+	BackgroundWorkerUnblockSignals();
+	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid, 0);
+
+	start = GetCurrentTimestamp();
+	PG_TRY();
+	{
+		VisitResult result = VISIT_DONE;
+
+		for (;;)
+		{
+			int64		e = 0;
+			int64		r = 0;
+			int			batch = idem_sweep_batch;
+
+			CHECK_FOR_INTERRUPTS();
+			if (RecoveryInProgress())
+				break;
+			if (!sweeper_batch(batch, &e, &r))
+			{
+				result = VISIT_NO_EXTENSION;
+				break;
+			}
+			expired += e;
+			reset += r;
+			if (e < batch && r < batch)
+				break;
+			if (TimestampDifferenceExceeds(start, GetCurrentTimestamp(),
+										   VISIT_SLICE_MS))
+			{
+				result = VISIT_MORE;
+				break;
+			}
+		}
+		if (result != VISIT_NO_EXTENSION)
+			idem_stats_sweep_done(GetCurrentTimestamp(),
+								  (double) (GetCurrentTimestamp() - start) / 1000.0);
+		worker_report(result, NULL);
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(cxt);
+		edata = CopyErrorData();
+		FlushErrorState();
+		AbortCurrentTransaction();
+		worker_report(VISIT_FAILED, edata->message);
+	}
+	PG_END_TRY();
+
+	if (expired > 0 || reset > 0)
+		elog(DEBUG1, "idempotency sweep: " INT64_FORMAT " expired, "
+			 INT64_FORMAT " reset", expired, reset);
+	proc_exit(0);
+}
+
+/* ---------------------------------------------------------------------
+ * The launcher
+ * ---------------------------------------------------------------------
+ */
+
+typedef struct DbEntry
+{
+	Oid			oid;
+	char		name[NAMEDATALEN];
+} DbEntry;
+
+/*
+ * The databases worth visiting: connections allowed, not a template, not
+ * half-dropped.  Read from the shared catalog pg_database.
+ */
+static List *
+launcher_databases(void)
+{
+	List	   *dbs = NIL;
+	Relation	rel;
+	TableScanDesc scan;
+	HeapTuple	tup;
+	MemoryContext outer = CurrentMemoryContext;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	(void) GetTransactionSnapshot();
+
+	rel = table_open(DatabaseRelationId, AccessShareLock);
+	scan = table_beginscan_catalog(rel, 0, NULL);
+	while (HeapTupleIsValid(tup = heap_getnext(scan, ForwardScanDirection)))
+	{
+		Form_pg_database db = (Form_pg_database) GETSTRUCT(tup);
+		DbEntry    *entry;
+		MemoryContext old;
+
+		if (!db->datallowconn || db->datistemplate ||
+			db->datconnlimit == -2)	/* DATCONNLIMIT_INVALID_DB */
+			continue;
+		old = MemoryContextSwitchTo(outer);
+		entry = palloc(sizeof(DbEntry));
+		entry->oid = db->oid;
+		strlcpy(entry->name, NameStr(db->datname), NAMEDATALEN);
+		dbs = lappend(dbs, entry);
+		MemoryContextSwitchTo(old);
+	}
+	table_endscan(scan);
+	table_close(rel, AccessShareLock);
+	CommitTransactionCommand();
+	return dbs;
+}
+
+/* The launcher's memory of a database, created on first use. */
+static DbTrack *
+launcher_track(Oid dbid)
+{
+	for (int i = 0; i < ntracked; i++)
+		if (tracked[i].dbid == dbid)
+			return &tracked[i];
+	if (ntracked == MAX_TRACKED_DBS)
+		ntracked = 0;			/* forget everything rather than fail */
+	memset(&tracked[ntracked], 0, sizeof(DbTrack));
+	tracked[ntracked].dbid = dbid;
+	return &tracked[ntracked++];
+}
+
+/*
+ * Visit one database: start a sweeper there and wait until it exits.
+ * Returns true when that database still has work due.
+ */
+static bool
+launcher_visit(DbEntry *db)
+{
+	BackgroundWorker worker;
+	BackgroundWorkerHandle *handle;
+	BgwHandleStatus status;
+	pid_t		pid;
+	DbTrack    *track = launcher_track(db->oid);
+	VisitResult result;
+	char		message[256];
+	TimestampTz now = GetCurrentTimestamp();
+
+	if (track->next_try > now)
+		return false;			/* backing off after failures */
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS |
+		BGWORKER_BACKEND_DATABASE_CONNECTION;
+	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	worker.bgw_restart_time = BGW_NEVER_RESTART;
+	snprintf(worker.bgw_library_name, BGW_MAXLEN, "idempotency");
+	snprintf(worker.bgw_function_name, BGW_MAXLEN, "idem_sweeper_main");
+	snprintf(worker.bgw_name, BGW_MAXLEN, "idempotency sweeper");
+	snprintf(worker.bgw_type, BGW_MAXLEN, "idempotency sweeper");
+	worker.bgw_main_arg = ObjectIdGetDatum(db->oid);
+	worker.bgw_notify_pid = MyProcPid;
+
+	SpinLockAcquire(&worker_shared->mutex);
+	worker_shared->dbid = db->oid;
+	worker_shared->result = VISIT_NONE;
+	worker_shared->message[0] = '\0';
+	SpinLockRelease(&worker_shared->mutex);
+
+	if (!RegisterDynamicBackgroundWorker(&worker, &handle))
+	{
+		if (strcmp(track->last_message, "no worker slot") != 0)
+			ereport(LOG,
+					(errmsg("idempotency launcher could not start a sweeper for database \"%s\"",
+							db->name),
+					 errhint("Raise max_worker_processes.")));
+		strlcpy(track->last_message, "no worker slot",
+				sizeof(track->last_message));
+		return false;
+	}
+	status = WaitForBackgroundWorkerStartup(handle, &pid);
+	if (status == BGWH_STARTED)
+		status = WaitForBackgroundWorkerShutdown(handle);
+	if (status == BGWH_POSTMASTER_DIED)
+		proc_exit(1);
+	pfree(handle);
+
+	SpinLockAcquire(&worker_shared->mutex);
+	result = worker_shared->result;
+	strlcpy(message, worker_shared->message, sizeof(message));
+	SpinLockRelease(&worker_shared->mutex);
+
+	if (result == VISIT_NONE || result == VISIT_FAILED)
+	{
+		int64		backoff;
+
+		if (result == VISIT_NONE)
+			strlcpy(message, "the sweeper exited without reporting",
+					sizeof(message));
+		if (strcmp(track->last_message, message) != 0)
+			ereport(LOG,
+					(errmsg("idempotency sweep of database \"%s\" failed: %s",
+							db->name, message),
+					 errdetail("The launcher retries later; this message is not repeated while the cause stays the same.")));
+		strlcpy(track->last_message, message, sizeof(track->last_message));
+		track->failures = Min(track->failures + 1, 20);
+		backoff = Min((int64) Max(idem_sweep_interval_ms, 1000) <<
+					  Min(track->failures, 12), (int64) MAX_BACKOFF_MS);
+		track->next_try = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+													  backoff);
+		return false;
+	}
+	if (track->failures > 0)
+		ereport(LOG,
+				(errmsg("idempotency sweep of database \"%s\" works again",
+						db->name)));
+	track->failures = 0;
+	track->next_try = 0;
+	track->last_message[0] = '\0';
+	return result == VISIT_MORE;
+}
+
+/*
+ * Main of the launcher: a round over every database once per
+ * idempotency.sweep_interval; nothing while sweep_interval is 0 or the
+ * server is in recovery.
+ */
+void
+idem_launcher_main(Datum arg)
+{
+	MemoryContext round_cxt;
+
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, die);
+	BackgroundWorkerUnblockSignals();
+	BackgroundWorkerInitializeConnection(NULL, NULL, 0);
+
+	round_cxt = AllocSetContextCreate(TopMemoryContext,
+									  "idempotency launcher round",
+									  ALLOCSET_DEFAULT_SIZES);
+	for (;;)
+	{
+		long		nap_ms = IDLE_CHECK_MS;
+
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+		}
+
+		if (idem_sweep_interval_ms > 0 && !RecoveryInProgress())
+		{
+			TimestampTz start = GetCurrentTimestamp();
+			bool		more = false;
+			List	   *dbs;
+			ListCell   *lc;
+			MemoryContext old = MemoryContextSwitchTo(round_cxt);
+
+			dbs = launcher_databases();
+			foreach(lc, dbs)
+			{
+				CHECK_FOR_INTERRUPTS();
+				if (launcher_visit((DbEntry *) lfirst(lc)))
+					more = true;
+			}
+			MemoryContextSwitchTo(old);
+			MemoryContextReset(round_cxt);
+
+			if (more)
+				nap_ms = MORE_WORK_PAUSE_MS;
+			else
+			{
+				long		elapsed = (long) ((GetCurrentTimestamp() - start) / 1000);
+
+				nap_ms = Max(idem_sweep_interval_ms - elapsed, 1);
+			}
+		}
+
+		(void) WaitLatch(MyLatch,
+						 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 nap_ms, PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+	}
 }
