@@ -2,7 +2,7 @@
 EXTENSION   = idempotency
 MODULE_big  = idempotency
 OBJS        = src/idempotency.o src/guc.o src/fingerprint.o src/store.o \
-              src/wait.o src/stats.o src/sweep.o src/worker.o src/api.o
+              src/wait.o src/stats.o src/sweep.o src/worker.o src/tenant.o src/api.o
 DATA        = $(wildcard idempotency--*.sql)
 PGFILEDESC  = "idempotency - idempotency keys for PostgreSQL"
 

@@ -164,3 +164,53 @@ SELECT d.datname AS database,
 	OR c.dbid IS NOT NULL;
 
 GRANT SELECT ON idempotency.stats TO PUBLIC;
+
+/*
+ * Tenant isolation: a role listed here may only use scopes that start with
+ * its scope_prefix, in every client function.  The role checked is the one
+ * that calls the function (current_user), not a setting the session could
+ * change.  Roles not listed are not restricted.  Any change to the table,
+ * through the functions below or by hand, is seen by every session at its
+ * next call (a trigger sends a cache invalidation).
+ */
+CREATE TABLE idempotency.scope_bindings (
+	role			regrole PRIMARY KEY,
+	scope_prefix	text COLLATE "C" NOT NULL
+);
+REVOKE ALL ON TABLE idempotency.scope_bindings FROM PUBLIC;
+SELECT pg_catalog.pg_extension_config_dump('idempotency.scope_bindings', '');
+
+CREATE FUNCTION idempotency.scope_bindings_changed()
+RETURNS trigger
+AS 'MODULE_PATHNAME', 'idem_scope_bindings_changed'
+LANGUAGE C;
+REVOKE ALL ON FUNCTION idempotency.scope_bindings_changed() FROM PUBLIC;
+
+CREATE TRIGGER scope_bindings_changed
+	AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE
+	ON idempotency.scope_bindings
+	FOR EACH STATEMENT EXECUTE FUNCTION idempotency.scope_bindings_changed();
+
+CREATE FUNCTION idempotency.bind_scope(role regrole, scope_prefix text)
+RETURNS void
+LANGUAGE sql VOLATILE STRICT
+SET search_path = pg_catalog, pg_temp
+BEGIN ATOMIC
+	INSERT INTO idempotency.scope_bindings AS b (role, scope_prefix)
+	VALUES (bind_scope.role, bind_scope.scope_prefix)
+	ON CONFLICT (role) DO UPDATE SET scope_prefix = excluded.scope_prefix;
+END;
+
+CREATE FUNCTION idempotency.unbind_scope(role regrole)
+RETURNS boolean
+LANGUAGE sql VOLATILE STRICT
+SET search_path = pg_catalog, pg_temp
+BEGIN ATOMIC
+	WITH d AS (DELETE FROM idempotency.scope_bindings b
+			   WHERE b.role OPERATOR(pg_catalog.=) unbind_scope.role
+			   RETURNING 1)
+	SELECT pg_catalog.count(*) OPERATOR(pg_catalog.>) 0 FROM d;
+END;
+
+REVOKE ALL ON FUNCTION idempotency.bind_scope(regrole, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idempotency.unbind_scope(regrole) FROM PUBLIC;

@@ -511,6 +511,7 @@ idem_claim(PG_FUNCTION_ARGS)
 	check_positive(args.retention, "retention");
 	wait_us = arg_wait(fcinfo, 5);
 	PreventCommandDuringRecovery("idem_claim()");
+	idem_tenant_check(args.scope);
 
 	args.has_fingerprint = !PG_ARGISNULL(1);
 	if (args.has_fingerprint)
@@ -647,6 +648,7 @@ idem_finish(PG_FUNCTION_ARGS)
 	retention = arg_interval(fcinfo, 6);
 	check_positive(retention, "retention");
 	PreventCommandDuringRecovery("idem_finish()");
+	idem_tenant_check(scope);
 
 	hash = idem_key_hash(scope, key);
 	now = GetCurrentTimestamp();
@@ -688,6 +690,7 @@ idem_extend(PG_FUNCTION_ARGS)
 	lease = arg_interval(fcinfo, 2);
 	check_positive(lease, "lease");
 	PreventCommandDuringRecovery("idem_extend()");
+	idem_tenant_check(scope);
 
 	hash = idem_key_hash(scope, key);
 	now = GetCurrentTimestamp();
@@ -718,6 +721,7 @@ idem_release(PG_FUNCTION_ARGS)
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
 	PreventCommandDuringRecovery("idem_release()");
+	idem_tenant_check(scope);
 
 	hash = idem_key_hash(scope, key);
 	(void) token_call_begin(CALL_RELEASE, scope, key, hash, token, &row,
@@ -752,6 +756,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 	Datum		values[7];
 	bool		nulls[7] = {0};
 
+	idem_tenant_check(scope);
 	InitMaterializedSRF(fcinfo, 0);
 	idem_store_probe(scope, key, IDEM_PROBE_SNAPSHOT, true, &row);
 	if (!row.found || row.expires_at <= GetCurrentTimestamp())

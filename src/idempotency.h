@@ -14,6 +14,7 @@
  *	  stats.c        shared-memory counters behind the idempotency.stats view
  *	  worker.c       the background sweeper (launcher + per-database worker)
  *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
+ *	  tenant.c       scope bindings: which scopes a role may use
  *	  api.c          the SQL-callable functions
  *
  *-------------------------------------------------------------------------
@@ -150,6 +151,9 @@ extern void idem_stats_shmem_request(void);
 extern void idem_stats_shmem_startup(void);
 extern void idem_stats_count(IdemCounter counter, int64 n);
 extern void idem_stats_sweep_done(TimestampTz at, double ms);
+
+/* ---- tenant.c ---- */
+extern void idem_tenant_check(text *scope);
 
 /* ---- sweep.c ---- */
 extern void idem_sweep_batch_run(int batch, int64 *expired, int64 *reset);
