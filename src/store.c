@@ -81,6 +81,7 @@ typedef struct StoreRels
 	Oid			keys;
 	Oid			pkey;
 	Oid			token_seq;
+	Oid			owner;			/* owner of idempotency.keys */
 } StoreRels;
 
 static StoreRels rels;
@@ -200,6 +201,12 @@ store_lookup_rels(void)
 				(errcode(ERRCODE_UNDEFINED_OBJECT),
 				 errmsg("extension \"idempotency\" is not installed in this database"),
 				 errhint("Run CREATE EXTENSION idempotency.")));
+	{
+		Relation	heap = table_open(rels.keys, AccessShareLock);
+
+		rels.owner = heap->rd_rel->relowner;
+		table_close(heap, NoLock);
+	}
 	rels.valid = true;
 }
 
@@ -416,19 +423,12 @@ store_plan(StorePlan which)
 void
 idem_store_begin(void)
 {
-	Relation	heap;
-	Oid			owner;
-
 	store_lookup_rels();
-	heap = table_open(rels.keys, AccessShareLock);
-	owner = heap->rd_rel->relowner;
-	table_close(heap, NoLock);
-
 	caller_cxt = CurrentMemoryContext;
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
 	GetUserIdAndSecContext(&saved_userid, &saved_sec_context);
-	SetUserIdAndSecContext(owner, saved_sec_context |
+	SetUserIdAndSecContext(rels.owner, saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
 }
