@@ -1,0 +1,34 @@
+#!/bin/sh
+# test.sh: run the queue consumer's tests against a running PostgreSQL server.
+#
+#   PGHOST=/tmp/sock PGPORT=5432 PGUSER=postgres PGDATABASE=postgres ./test.sh
+#
+# Needs a superuser connection to a server where the idempotency extension is
+# installed, and a python3 with psycopg 3 (Debian: apt-get install
+# python3-psycopg).  Creates a fresh database idem_example_consumer and runs
+# the unittest suite, which starts consumer processes of its own.
+set -eu
+cd "$(dirname "$0")"
+
+DB=${EXAMPLE_DB:-idem_example_consumer}
+ADMIN_DB=${PGDATABASE:-postgres}
+
+PYTHON=
+for candidate in ${PYTHON3:-} python3 /usr/bin/python3; do
+	if command -v "$candidate" >/dev/null 2>&1 &&
+	   "$candidate" -c 'import psycopg' >/dev/null 2>&1; then
+		PYTHON=$candidate
+		break
+	fi
+done
+if [ -z "$PYTHON" ]; then
+	echo "test.sh: no python3 with psycopg 3 found (apt-get install python3-psycopg)" >&2
+	exit 1
+fi
+
+psql -X -q -v ON_ERROR_STOP=1 -d "$ADMIN_DB" \
+	-c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" \
+	-c "CREATE DATABASE $DB"
+PGDATABASE=$DB psql -X -q -v ON_ERROR_STOP=1 -f schema.sql
+
+PGDATABASE=$DB exec "$PYTHON" -m unittest -v test_consumer

@@ -1,0 +1,38 @@
+'use strict';
+/*
+ * server.js: run the payments service.
+ *
+ *   PGHOST=... PGDATABASE=... DOWNSTREAM_URL=http://127.0.0.1:4000 node src/server.js
+ *
+ * Settings (environment): PORT (default 3000; 0 picks a free port),
+ * DOWNSTREAM_URL, IDEM_LEASE_MS (default 30000), IDEM_RETENTION (a PostgreSQL
+ * interval; default: the server's idempotency.retention), POOL_SIZE (default 10),
+ * EXAMPLE_FAULTS=1 (honour X-Simulate-Failure; tests only).  The connection
+ * comes from the usual libpq variables: PGHOST, PGPORT, PGUSER, PGDATABASE,
+ * PGPASSWORD, PGOPTIONS.
+ */
+
+const { Pool } = require('pg');
+const { createApp } = require('./app');
+
+const pool = new Pool({ max: Number(process.env.POOL_SIZE ?? 10) });
+pool.on('error', (err) => console.error('idle database connection failed', err));
+
+const app = createApp({
+	pool,
+	downstreamUrl: process.env.DOWNSTREAM_URL ?? 'http://127.0.0.1:4000',
+	leaseMs: Number(process.env.IDEM_LEASE_MS ?? 30000),
+	retention: process.env.IDEM_RETENTION ?? null,
+	faults: process.env.EXAMPLE_FAULTS === '1',
+});
+
+const server = app.listen(Number(process.env.PORT ?? 3000), '127.0.0.1', () => {
+	/* the tests read this line to learn the port */
+	console.log(`payments service listening on http://127.0.0.1:${server.address().port}`);
+});
+
+function shutdown() {
+	server.close(() => pool.end().then(() => process.exit(0)));
+}
+process.on('SIGTERM', shutdown);
+process.on('SIGINT', shutdown);
