@@ -1,0 +1,313 @@
+
+# Copyright: the idempotency extension authors.
+#
+# 101_worker_sweeps.pl: with shared_preload_libraries = 'idempotency' the
+# background worker, and nobody calling idem_sweep(), expires finished keys
+# past their retention and resets stale pending keys in every database that
+# has the extension: two databases created before the first sweep, one
+# database created after start-up whose extension comes later still.  Keys
+# under a live lease or within their retention are left exactly as they
+# were.  Template databases and databases that refuse connections are not
+# visited until they become ordinary again.
+#
+# Run it like the other TAP tests (see the top of t/001_restart.pl), e.g.
+#   prove -v t/101_worker_sweeps.pl
+# No assertion depends on timing: the test polls the table (and the stats
+# view's last_sweep_at for "the worker made another round").
+
+use strict;
+use warnings FATAL => 'all';
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $node = PostgreSQL::Test::Cluster->new('sweeps', port => 55444);
+$node->init;
+$node->append_conf('postgresql.conf', <<'EOF');
+shared_preload_libraries = 'idempotency'
+idempotency.sweep_interval = '300ms'
+EOF
+$node->start;
+
+sub sql
+{
+	my ($db, $sql) = @_;
+	return $node->safe_psql($db, $sql);
+}
+
+# The SQLSTATE an SQL command ends with ('00000' when it succeeds).
+sub sqlstate_of
+{
+	my ($db, $cmd) = @_;
+	my ($ret, $out, $err) =
+	  $node->psql($db, "\\set VERBOSITY verbose\n$cmd;");
+	return '00000' if $ret == 0 && $err !~ /ERROR/;
+	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
+	return "no SQLSTATE (ret $ret): $err";
+}
+
+# Claim a key; returns (outcome, token, attempt).
+sub claim
+{
+	my ($db, $args) = @_;
+	return split /\|/,
+	  sql($db,
+		"SELECT outcome, token, attempt FROM idempotency.idem_claim($args)"),
+	  -1;
+}
+
+# Every column of a stored key, as one line ('' when the key is absent).
+sub stored_row
+{
+	my ($db, $key) = @_;
+	return sql($db,
+		    "SELECT status, token, attempt, encode(fingerprint, 'hex'), "
+		  . "response_code, response_body, created_at, finished_at, "
+		  . "lease_until, expires_at, retention, sweep_at "
+		  . "FROM idempotency.keys WHERE scope = '' AND key = '$key'");
+}
+
+# The columns of a pending key that a reset must leave alone.
+sub pending_core
+{
+	my ($db, $key) = @_;
+	return sql($db,
+		    "SELECT status, attempt, encode(fingerprint, 'hex'), "
+		  . "response_code, response_body, created_at, finished_at, "
+		  . "lease_until, expires_at, retention "
+		  . "FROM idempotency.keys WHERE scope = '' AND key = '$key'");
+}
+
+# Let the worker make $n more complete rounds: each time, wait until the
+# last sweep of database "postgres" is later than it was.  Two advances
+# mean that at least one whole round over every database lay in between.
+sub wait_rounds
+{
+	my ($n) = @_;
+	for my $i (1 .. $n)
+	{
+		my $last = sql('postgres',
+			"SELECT coalesce(last_sweep_at, '-infinity') FROM idempotency.stats "
+			  . "WHERE database = 'postgres'");
+		ok( $node->poll_query_until(
+				'postgres',
+				"SELECT last_sweep_at > '$last' FROM idempotency.stats "
+				  . "WHERE database = 'postgres'"),
+			"the worker swept database postgres again (round $i of $n)");
+	}
+}
+
+# Database "postgres" has the extension: its last_sweep_at counts rounds.
+sql('postgres', 'CREATE EXTENSION idempotency');
+
+# Keys of every kind, in one database.  Returns the tokens by key.
+sub populate
+{
+	my ($db) = @_;
+	my %tok;
+	my ($o, $t, $a);
+
+	# Three finished keys whose retention is short: the worker expires them.
+	for my $i (1 .. 3)
+	{
+		($o, $t, $a) = claim($db,
+			"'exp-$i', request => '{\"i\": $i}', retention => '1 second'");
+		is($o, 'claimed', "$db: exp-$i claimed");
+		my $status = $i == 3 ? 'failed' : 'succeeded';
+		sql($db,
+			"SELECT idempotency.idem_finish('exp-$i', $t, 200, '{\"n\": $i}', "
+			  . "status => '$status')");
+	}
+
+	# A finished key kept for a day: the worker must not touch it.
+	($o, $t, $a) = claim($db, "'keep', request => '{\"k\": 1}'");
+	is($o, 'claimed', "$db: keep claimed");
+	sql($db,
+		"SELECT idempotency.idem_finish('keep', $t, 201, "
+		  . "'{\"kept\": \"$db\"}', retention => '1 day')");
+	$tok{keep} = $t;
+
+	# A pending key whose lease runs out (its retention does not): reset.
+	($o, $t, $a) = claim($db,
+		"'stale', request => '{\"s\": 1}', lease => '1 second', "
+		  . "retention => '1 day'");
+	is($o, 'claimed', "$db: stale claimed");
+	is($a, 1,         "$db: stale is attempt 1");
+	$tok{stale} = $t;
+
+	# A pending key under a live lease: left alone.
+	($o, $t, $a) = claim($db, "'live', request => '{\"l\": 1}', lease => '1 hour'");
+	is($o, 'claimed', "$db: live claimed");
+	$tok{live} = $t;
+
+	# A pending key whose lease and retention both run out: deleted.
+	($o, $t, $a) = claim($db,
+		"'exp-pending', lease => '1 second', retention => '1 second'");
+	is($o, 'claimed', "$db: exp-pending claimed");
+
+	return \%tok;
+}
+
+# Wait until the worker has swept database $db: every exp-* key deleted
+# and the stale key reset.  Then check everything else is untouched.
+sub check_swept
+{
+	my ($db, $tok, $before) = @_;
+
+	ok( $node->poll_query_until(
+			$db,
+			"SELECT count(*) FILTER (WHERE key LIKE 'exp-%') = 0 "
+			  . "AND bool_and(token IS NULL) FILTER (WHERE key = 'stale') "
+			  . "FROM idempotency.keys"),
+		"$db: the worker expired the exp-* keys and reset the stale key");
+
+	is( sql($db, "SELECT string_agg(key, ',' ORDER BY key) FROM idempotency.keys"),
+		'keep,live,stale',
+		"$db: exactly keep, live and stale remain");
+	is(stored_row($db, 'keep'), $before->{keep},
+		"$db: the finished key within its retention is unchanged");
+	is(stored_row($db, 'live'), $before->{live},
+		"$db: the pending key under a live lease is unchanged (same token)");
+	is(pending_core($db, 'stale'), $before->{stale},
+		"$db: the reset key keeps status, attempt, fingerprint, times");
+	is( sql($db,
+			"SELECT status, token IS NULL, attempt FROM idempotency.keys "
+			  . "WHERE key = 'stale'"),
+		'pending|t|1',
+		"$db: the stale key is pending with no token, attempt 1");
+
+	# The worker's reset killed the old token; the next claim takes over.
+	is( sqlstate_of($db,
+			"SELECT idempotency.idem_finish('stale', $tok->{stale}, 200)"),
+		'55006', "$db: finish with the token the worker reset: 55006");
+	my ($o, $t, $a) = claim($db, "'stale', request => '{\"s\": 1}'");
+	is($o, 'claimed', "$db: the next claim of the reset key is claimed");
+	is($a, 2,         "$db: ... as attempt 2");
+	cmp_ok($t, '>', $tok->{live}, "$db: ... with a new, larger token");
+
+	# An expired key behaves as absent: a new claim is a first attempt.
+	($o, $t, $a) = claim($db, "'exp-1', request => '{\"other\": true}'");
+	is($o, 'claimed', "$db: an expired key can be claimed with another request");
+	is($a, 1,         "$db: ... as attempt 1");
+
+	is( sql($db,
+			"SELECT expired, reset, last_sweep_at IS NOT NULL, last_sweep_ms >= 0 "
+			  . "FROM idempotency.stats WHERE database = current_database()"),
+		'4|1|t|t',
+		"$db: stats count 4 expired and 1 reset; last_sweep_at is set");
+}
+
+# --- Two databases created before the worker's first round over them ---
+
+my %tok;
+my %before;
+for my $db (qw(alpha beta))
+{
+	sql('postgres', "CREATE DATABASE $db");
+	sql($db, 'CREATE EXTENSION idempotency');
+	$tok{$db} = populate($db);
+	$before{$db} = {
+		keep  => stored_row($db, 'keep'),
+		live  => stored_row($db, 'live'),
+		stale => pending_core($db, 'stale') };
+	like($before{$db}{keep}, qr/^succeeded\|$tok{$db}{keep}\|1\|/,
+		"$db: keep is stored as succeeded with its token");
+}
+for my $db (qw(alpha beta))
+{
+	check_swept($db, $tok{$db}, $before{$db});
+}
+
+# --- A database created after start-up, its extension created later ---
+
+sql('postgres', 'CREATE DATABASE gamma');
+my $gamma_commits = sql('postgres',
+	"SELECT xact_commit FROM pg_stat_database WHERE datname = 'gamma'");
+# Nobody connects to gamma: its committed transactions are the worker's
+# visits (which find no extension there yet).
+ok( $node->poll_query_until(
+		'postgres',
+		"SELECT xact_commit >= $gamma_commits + 2 FROM pg_stat_database "
+		  . "WHERE datname = 'gamma'"),
+	'gamma: the worker visits the new database (no extension yet)');
+wait_rounds(2);
+is( sql('postgres',
+		"SELECT count(*) FROM idempotency.stats WHERE database = 'gamma'"),
+	'0', 'gamma: no sweep is recorded while the extension is absent');
+sql('gamma', 'CREATE EXTENSION idempotency');
+my $gamma_tok = populate('gamma');
+my $gamma_before = {
+	keep  => stored_row('gamma', 'keep'),
+	live  => stored_row('gamma', 'live'),
+	stale => pending_core('gamma', 'stale') };
+check_swept('gamma', $gamma_tok, $gamma_before);
+
+# --- Templates and databases that refuse connections are not visited ---
+
+for my $db (qw(tmpl noconn))
+{
+	sql('postgres', "CREATE DATABASE $db");
+	sql($db, 'CREATE EXTENSION idempotency');
+}
+# A template from the start; noconn refuses connections right after its
+# claim, while its key is still within retention.
+sql('postgres', 'ALTER DATABASE tmpl IS_TEMPLATE true');
+for my $db (qw(tmpl noconn))
+{
+	my ($o, $t, $a) = claim($db, "'exp-1', retention => '2 seconds'");
+	is($o, 'claimed', "$db: exp-1 claimed");
+	sql($db, "SELECT idempotency.idem_finish('exp-1', $t, 200)");
+}
+sql('postgres', 'ALTER DATABASE noconn ALLOW_CONNECTIONS false');
+ok( $node->poll_query_until(
+		'tmpl',
+		"SELECT expires_at < clock_timestamp() FROM idempotency.keys "
+		  . "WHERE key = 'exp-1'"),
+	'tmpl: exp-1 is past its retention');
+# noconn's key has the same retention and was finished earlier.
+my $skipped_stats = sql('postgres',
+	"SELECT database, claims, expired, last_sweep_at "
+	  . "FROM idempotency.stats WHERE database IN ('tmpl', 'noconn') "
+	  . "ORDER BY database");
+wait_rounds(3);
+is( sql('tmpl', "SELECT count(*) FROM idempotency.keys WHERE key = 'exp-1'"),
+	'1', 'tmpl: the template database was not swept');
+like($skipped_stats, qr/^noconn\|1\|0\|.*\ntmpl\|1\|0\|/,
+	'tmpl, noconn: one claim each counted, nothing expired');
+is( sql('postgres',
+		"SELECT database, claims, expired, last_sweep_at "
+		  . "FROM idempotency.stats WHERE database IN ('tmpl', 'noconn') "
+		  . "ORDER BY database"),
+	$skipped_stats,
+	'tmpl, noconn: no sweep recorded over three rounds of the worker');
+
+sql('postgres', 'ALTER DATABASE tmpl IS_TEMPLATE false');
+sql('postgres', 'ALTER DATABASE noconn ALLOW_CONNECTIONS true');
+ok( $node->poll_query_until(
+		'tmpl', "SELECT count(*) = 0 FROM idempotency.keys"),
+	'tmpl: swept once it is no longer a template');
+ok( $node->poll_query_until(
+		'noconn', "SELECT count(*) = 0 FROM idempotency.keys"),
+	'noconn: swept once it allows connections');
+is( sql('postgres',
+		"SELECT database, expired, last_sweep_at IS NOT NULL "
+		  . "FROM idempotency.stats WHERE database IN ('tmpl', 'noconn') "
+		  . "ORDER BY database"),
+	"noconn|1|t\ntmpl|1|t",
+	'tmpl, noconn: one expired key each, and a recorded sweep');
+
+# Nothing above called idem_sweep(): only the worker sweeps here.  It is
+# one launcher, and never left an error in the log.
+is( sql('postgres',
+		"SELECT count(*) FROM pg_stat_activity "
+		  . "WHERE backend_type = 'idempotency launcher'"),
+	'1', 'exactly one idempotency launcher runs');
+# Client sessions are tagged with the test's name (the 55006 above is ours).
+my @bad = grep { !/101_worker_sweeps\.pl/ }
+  grep { /ERROR|FATAL|PANIC|failed/ } split /\n/, slurp_file($node->logfile);
+is(join("\n", @bad), '',
+	'no ERROR, FATAL, PANIC or failure in the log apart from the test\'s own');
+
+$node->stop;
+done_testing();
