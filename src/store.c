@@ -28,6 +28,7 @@
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/xact.h"
+#include "access/xlog.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "commands/sequence.h"
@@ -385,12 +386,26 @@ idem_store_unlock(uint64 hash)
 	LockRelease(&tag, ExclusiveLock, false);
 }
 
-/* The next fencing token: larger than every token issued before. */
+/*
+ * The next fencing token: larger than every token issued before, even
+ * across a crash.  A sequence logs its position ahead (every 32 values and
+ * after each checkpoint) but leaves flushing that record to the commit, so
+ * a token handed out by a transaction that never commits could be issued
+ * again after a crash.  The caller may already have passed that token to
+ * a downstream system, so when nextval wrote WAL, flush it now: one flush
+ * per 32 tokens at most.
+ */
 int64
 idem_store_next_token(void)
 {
+	XLogRecPtr	before = XactLastRecEnd;
+	int64		token;
+
 	store_lookup_rels();
-	return nextval_internal(rels.token_seq, false);
+	token = nextval_internal(rels.token_seq, false);
+	if (XactLastRecEnd != before)
+		XLogFlush(XactLastRecEnd);
+	return token;
 }
 
 /* Prepare (once per backend) and return one of the store's statements. */
