@@ -1,0 +1,356 @@
+#!/usr/bin/python3
+"""bench/report.py RESULTS_TSV EXTRA_TSV BENCH_DIR: turns bench/run's raw numbers into
+bench/RESULTS.md and bench/chart.png (through gnuplot and bench/chart.gp).
+
+results.tsv: label row variant round ops_per_s mean_ms p50_ms p99_ms n
+extra.tsv:   key value   (machine, settings, WAL, wait latency, Redis, sizes ...)
+Every ratio is the median over rounds of the ratio measured within one round
+(the scripts of a round run back to back, interleaved A B A B)."""
+import collections
+import glob
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+res_path, extra_path, bench = sys.argv[1:4]
+out_dir = os.path.join(bench, "out")
+work_dir = os.path.dirname(os.path.abspath(res_path))   # bench/run's temp dir (pg_waldump output)
+
+runs = collections.defaultdict(dict)      # label -> round -> dict
+for line in open(res_path):
+    f = line.rstrip("\n").split("\t")
+    if len(f) < 9 or not f[4]:
+        continue
+    label, row, variant, rnd = f[0], f[1], f[2], int(f[3])
+
+    def num(x):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    runs[label][rnd] = dict(row=row, variant=variant, tps=num(f[4]), mean=num(f[5]),
+                            p50=num(f[6]), p99=num(f[7]), n=num(f[8]))
+
+extra = {}
+for line in open(extra_path):
+    if "\t" in line:
+        k, v = line.rstrip("\n").split("\t", 1)
+        extra[k] = v
+
+
+def med(label, field="tps"):
+    vals = [r[field] for r in runs.get(label, {}).values() if r.get(field) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def ratio(a, b, field="tps"):
+    """median over rounds of a/b, for rounds where both ran."""
+    ra, rb = runs.get(a, {}), runs.get(b, {})
+    vals = [ra[k][field] / rb[k][field] for k in ra if k in rb
+            and ra[k].get(field) and rb[k].get(field)]
+    return statistics.median(vals) if vals else None
+
+
+def ratios_list(a, b):
+    ra, rb = runs.get(a, {}), runs.get(b, {})
+    return [ra[k]["tps"] / rb[k]["tps"] for k in sorted(ra) if k in rb and rb[k]["tps"]]
+
+
+def fmt(x, spec="%.0f", none="n/a"):
+    return none if x is None else spec % x
+
+
+def fx(x):
+    return fmt(x, "%.2fx")
+
+
+def yes(cond):
+    if cond is None:
+        return "not measured"
+    return "**met**" if cond else "**missed**"
+
+
+# ------------------------------------------------------------------ WAL
+def waldump(label):
+    path = os.path.join(work_dir, "waldump_%s.log" % label)
+    recs, total = [], None
+    if not os.path.exists(path):
+        return recs, total
+    for line in open(path):
+        m = re.match(r"^(\S+)\s+(\d+)\s+\(\s*[\d.]+\)\s+(\d+)\s+\(\s*[\d.]+\)\s+(\d+)\s+\(\s*[\d.]+\)\s+(\d+)", line)
+        if m and m.group(1) != "Type":
+            recs.append((m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5))))
+        m = re.match(r"^Total\s+(\d+)\s+(\d+)\s+\[[^]]*\]\s+(\d+)\s+\[[^]]*\]\s+(\d+)", line)
+        if m:
+            total = tuple(int(x) for x in m.groups())
+    return recs, total
+
+
+wal = {}
+for k, v in extra.items():
+    if k.startswith("wal_"):
+        b, n = v.split()
+        wal[k[4:]] = (float(b), int(n))
+
+
+def wal_per_op(label):
+    if label not in wal:
+        return None
+    b, n = wal[label]
+    return b / n
+
+
+# ------------------------------------------------------------------ table
+ROWS = [
+    # label, row, description, reference label for "vs floor", peer label
+    ("r1", "1", "extension, autocommit: `idem_claim` + `idem_finish` (2 commits)", "r7", "r6"),
+    ("r2", "2", "extension, one transaction: claim + business INSERT + finish", "r7", None),
+    ("r3", "3", "seed pattern, one transaction: INSERT ON CONFLICT, SELECT FOR UPDATE, business INSERT, UPDATE", "r7", None),
+    ("r4", "4", "seed pattern, autocommit: INSERT ON CONFLICT RETURNING, UPDATE", "r7", None),
+    ("r5", "5", "seed pattern, advisory lock: try_lock, SELECT, INSERT, unlock, UPDATE", "r7", None),
+    ("r6", "6", "PL/pgSQL peer (bench/plpgsql_peer.sql), autocommit claim + finish", "r7", None),
+    ("r7", "7", "**floor**: bare INSERT + bare UPDATE, 2 commits, no checks", "r7", None),
+    ("r8", "8", "replay: `idem_claim` of a finished key (%s keys)" % extra.get("n_replay", "?"), "r8b", "r8p"),
+    ("r8b", "8", "reference: bare primary-key SELECT of the same row", "r8b", None),
+    ("r8p", "8", "PL/pgSQL peer replay", "r8b", None),
+    ("r9", "9", "retry storm: %s clients on 100 hot keys, extension" % (re.search(r"STORM_CLIENTS=(\d+)", extra.get("params", "")) or [None, "8"])[1], None, "r9p"),
+    ("r9p", "9", "retry storm, PL/pgSQL peer", None, None),
+    ("r10", "10", "in_progress storm: claims of keys pending under a live lease", "r10b", "r10p"),
+    ("r10b", "10", "reference: bare primary-key SELECT of the pending row", "r10b", None),
+    ("r10p", "10", "PL/pgSQL peer, same in_progress storm", "r10b", None),
+    ("r11_worker_on", "11", "claim + finish while the worker sweeps a backlog", "r11_worker_off", None),
+    ("r11_worker_off", "11", "claim + finish, worker off (sweep_interval = 0)", "r11_worker_off", None),
+    ("r12s_ext", "12", "row 1 with %s keys in the table" % extra.get("n_small", "?"), "r12s_floor", None),
+    ("r12s_floor", "12", "row 7 with %s keys in the table" % extra.get("n_small", "?"), "r12s_floor", None),
+    ("r12b_ext", "12", "row 1 with %s keys in the table" % (extra.get("n_big_actual", "?").split() or ["?"])[0], "r12b_floor", None),
+    ("r12b_floor", "12", "row 7 with %s keys in the table" % (extra.get("n_big_actual", "? ?").split() + ["?", "?"])[1], "r12b_floor", None),
+]
+
+lines = []
+w = lines.append
+w("# idempotency benchmark results")
+w("")
+w("Generated by `bench/run` (issue 4) on %s. Reproduce with `bench/run` (as root, extension "
+  "installed); `QUICK=1 bench/run` is a smoke run. Raw pgbench logs and pg_waldump output land in "
+  "`bench/out/`." % extra.get("date", "?"))
+w("")
+w("**Machine**: %s cores (%s), PostgreSQL %s, shared with other work (noisy: that is why every "
+  "comparison interleaves its scripts and reports the median of per-round ratios)."
+  % (extra.get("nproc", "?"), extra.get("cpu", "?"), extra.get("pg_version", "?")))
+w("")
+w("**Run parameters**: `%s`. pgbench `-M prepared`, each op on a fresh random key "
+  "(`random(1, 10^12)` within a per-run scope), each run after a CHECKPOINT and a warm-up of the "
+  "same script; p99 from pgbench's per-transaction `--log`." % extra.get("params", "?"))
+w("")
+w("**Server settings** (throwaway cluster started by the command): " +
+  ", ".join("`%s`" % s for s in extra.get("settings", "").split(";") if s))
+w("")
+if extra.get("have_ext") != "1":
+    w("**The extension was not installed: extension rows are missing.**")
+    w("")
+w("**Behavioural checks** (`bench/plpgsql_peer_check.sql`, the same checks against both): "
+  "PL/pgSQL peer: %s; extension: %s." % (extra.get("check_peer", "not run"), extra.get("check_ext", "not run")))
+fails = [k for k in extra if k.startswith("verify_failed_")]
+if fails:
+    w("")
+    w("**Verification warnings**: " + ", ".join("%s %s" % (k[14:], extra[k]) for k in fails))
+w("")
+w("## Throughput and latency (medians over rounds)")
+w("")
+w("| row | operation | ops/s | mean ms | p99 ms | ratio vs reference | ratio vs peer |")
+w("|---|---|---:|---:|---:|---:|---:|")
+chart = []
+sweep = [r["tps"] for r in runs.get("r11_sweep", {}).values()]
+delete = [r["tps"] for r in runs.get("r11_delete", {}).values()]
+r11a = ratio("r11_sweep", "r11_delete")
+for label, row, desc, ref, peer in ROWS:
+    if label == "r12s_ext" and sweep:
+        w("| 11 | sweep: `idem_sweep` batches (committed one by one) expiring %s keys: **rows/s** | %s | | | %s bare DELETE | |"
+          % (extra.get("n_sweep", "?"), fmt(statistics.median(sweep)), fx(r11a)))
+        w("| 11 | reference: one bare `DELETE ... WHERE sweep_at <= now() AND expires_at <= now()`: **rows/s** | %s | | | | |"
+          % fmt(statistics.median(delete)))
+    if label not in runs:
+        continue
+    r_ref = ratio(label, ref) if ref and ref != label else None
+    r_peer = ratio(label, peer) if peer else None
+    refname = {"r7": "row 7", "r8b": "bare SELECT", "r10b": "bare SELECT",
+               "r11_worker_off": "worker off", "r12s_floor": "row 7 (same size)",
+               "r12b_floor": "row 7 (same size)"}.get(ref, "")
+    w("| %s | %s | %s | %s | %s | %s | %s |" % (
+        row, desc, fmt(med(label)), fmt(med(label, "mean"), "%.3f"), fmt(med(label, "p99"), "%.3f"),
+        (fx(r_ref) + " " + refname) if r_ref is not None else ("1.00x" if ref == label else ""),
+        fx(r_peer) if r_peer is not None else ""))
+    chart.append((label, med(label)))
+
+w("")
+w("Row 3 carries the same business INSERT as row 2, so rows 2 and 3 do the same work; row 2 vs row 3: %s."
+  % fx(ratio("r2", "r3")))
+if runs.get("r11_worker_on"):
+    sw = [extra[k] for k in sorted(extra) if k.startswith("r11_swept_worker_on")]
+    w("Row 11, worker on: `sweep_interval = 1s` with %s expired keys queued before each run "
+      "(harsher than the default 60 s pace: the worker deletes continuously); keys it expired "
+      "during warm-up + run: %s." % (extra.get("n_backlog", "?"), ", ".join(sw)))
+w("")
+
+# row 12
+r12s = ratio("r12s_ext", "r12s_floor")
+r12b = ratio("r12b_ext", "r12b_floor")
+r12 = r12b / r12s if r12s and r12b else None
+w("## Row 12: scale")
+w("")
+nb = extra.get("n_big_actual", "? ?").split()
+w("Row 1 / row 7 with %s keys in the tables: %s; with %s keys (%s in the floor's table): %s; "
+  "big / small = **%s**%s." % (extra.get("n_small", "?"), fx(r12s), nb[0] if nb else "?",
+                               nb[1] if len(nb) > 1 else "?", fx(r12b), fx(r12),
+                               "" if extra.get("n_big") == "10000000" else
+                               " (default size; `ROWS_10M=1 bench/run` measures the issue's 10M keys)"))
+if "bytes_per_key" in extra:
+    tot, heap, idx, n, ext_tot, ext_n = (int(x) for x in extra["bytes_per_key"].split())
+    w("")
+    w("Table + index bytes per finished key (clean copy of the table shape, %d finished keys with "
+      "36-character keys, after VACUUM): **%.0f bytes** (heap %.0f, indexes %.0f). The benchmark's "
+      "own table at that point: %.0f bytes per row over %d rows." %
+      (n, tot / n, heap / n, idx / n, ext_tot / ext_n, ext_n))
+w("")
+
+# WAL
+w("## WAL per operation (one client, pg_current_wal_insert_lsn before and after)")
+w("")
+w("| row | ops | WAL bytes/op | of which FPI bytes/op | records/op | main records per op |")
+w("|---|---:|---:|---:|---:|---|")
+for label, name in [("r1", "1 extension autocommit"), ("r2", "2 extension one transaction"),
+                    ("r6", "6 PL/pgSQL peer"), ("r7", "7 floor"), ("r8", "8 replay"),
+                    ("r8p", "8 PL/pgSQL peer replay"), ("r10", "10 in_progress")]:
+    if label not in wal:
+        continue
+    b, n = wal[label]
+    recs, total = waldump(label)
+    fpi = "%.1f" % (total[2] / n) if total else ("0" if b == 0 else "?")
+    cnt = "%.2f" % (total[0] / n) if total else ("0" if b == 0 else "?")
+    top = sorted(recs, key=lambda r: -r[4])[:6]
+    w("| %s | %d | %.1f | %s | %s | %s |" % (
+        name, n, b / n, fpi, cnt,
+        ", ".join("%s %.2f (%.0f B)" % (r[0], r[1] / n, r[4] / n) for r in top if r[1] / n >= 0.05)))
+w("")
+
+# row 13
+w("## Row 13: `wait` wake-up latency")
+w("")
+w("Session A holds a committed claim; session B blocks in `idem_claim(..., wait => '10 s')`; "
+  "session C runs `BEGIN; idem_finish(...); COMMIT`. Latency: B's return minus the moment C's "
+  "COMMIT was acknowledged (the settling commit is then durable and visible; clamped at 0 when B "
+  "returns first) and, as an upper bound, minus the moment C sent COMMIT (this one includes the "
+  "commit's own WAL flush, which is the machine's fsync time, not wake-up time).")
+w("")
+w("| mode | p50 ms from COMMIT ack | p99 ms from COMMIT ack | p50 ms from COMMIT sent | p99 ms from COMMIT sent | max ms from sent | samples | outcome replay |")
+w("|---|---:|---:|---:|---:|---:|---:|---:|")
+wait = {}
+for mode in ("preloaded", "not_preloaded"):
+    v = extra.get("wait_" + mode)
+    if v:
+        f = v.split()
+        wait[mode] = [float(x) for x in f[:5]]
+        w("| %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            mode.replace("_", " "), f[3], f[4], f[0], f[1], f[2], f[5], f[6]))
+w("")
+
+# row 14
+w("## Row 14: Redis peer (orientation only, no target)")
+w("")
+w("redis-benchmark, %s connections, no pipelining, loopback. A claim+finish is two round trips "
+  "(SET NX EX, then SET EX): its ops/s is 1 / (1/a + 1/b) of the two measured commands, its mean the "
+  "sum of their means." % re.search(r"CLIENTS=(\d+)", extra.get("params", "CLIENTS=?")).group(1)
+  if "params" in extra else "")
+w("")
+w("| persistence | claim+finish ops/s | mean ms | vs row 1 | GET ops/s | GET p99 ms | vs row 8 |")
+w("|---|---:|---:|---:|---:|---:|---:|")
+for mode, name in (("default", "default (RDB snapshots, no AOF)"), ("always", "appendonly yes, appendfsync always")):
+    try:
+        s1 = [float(x) for x in extra["redis_%s_setnx" % mode].split()]
+        s2 = [float(x) for x in extra["redis_%s_set" % mode].split()]
+        g = [float(x) for x in extra["redis_%s_get" % mode].split()]
+    except (KeyError, ValueError):
+        continue
+    op = 1.0 / (1.0 / s1[0] + 1.0 / s2[0])
+    r1m, r8m = med("r1"), med("r8")
+    w("| %s | %.0f | %.3f | %s | %.0f | %.3f | %s |" % (
+        name, op, s1[1] + s2[1], fx(r1m / op) if r1m else "n/a", g[0], g[2],
+        fx(r8m / g[0]) if r8m else "n/a"))
+    chart.append(("redis_%s" % mode, op))
+w("")
+w("(\"vs row 1\" / \"vs row 8\": the extension's ops/s divided by Redis's.)")
+w("")
+
+# targets
+w("## Targets of issue 4")
+w("")
+w("| target | measured | |")
+w("|---|---|---|")
+r1_7 = ratio("r1", "r7")
+r1_6 = ratio("r1", "r6")
+w("| row 1 >= 0.9x row 7 (aim 0.95x) | %s (per round: %s) | %s |" % (
+    fx(r1_7), ", ".join("%.2f" % x for x in ratios_list("r1", "r7")), yes(None if r1_7 is None else r1_7 >= 0.9)))
+w("| row 1 >= 2x row 6 | %s (per round: %s) | %s |" % (
+    fx(r1_6), ", ".join("%.2f" % x for x in ratios_list("r1", "r6")), yes(None if r1_6 is None else r1_6 >= 2)))
+r8 = ratio("r8", "r8b")
+w("| row 8 >= 0.85x bare PK read (aim 0.9x) | %s (per round: %s) | %s |" % (
+    fx(r8), ", ".join("%.2f" % x for x in ratios_list("r8", "r8b")), yes(None if r8 is None else r8 >= 0.85)))
+w8 = wal_per_op("r8")
+w("| row 8: 0 WAL bytes per replay | %s bytes/op | %s |" % (fmt(w8, "%.2f"), yes(None if w8 is None else w8 < 1)))
+r9 = ratio("r9", "r9p")
+w("| row 9 >= 2.5x row 6's storm | %s (per round: %s) | %s |" % (
+    fx(r9), ", ".join("%.2f" % x for x in ratios_list("r9", "r9p")), yes(None if r9 is None else r9 >= 2.5)))
+w10 = wal_per_op("r10")
+w("| row 10 writes no WAL | %s bytes/op | %s |" % (fmt(w10, "%.2f"), yes(None if w10 is None else w10 < 1)))
+lw = extra.get("lockwait_samples")
+if lw:
+    s, busy, waits = (int(x) for x in lw.split())
+    w("| row 10 never waits on a lock | %d of %d samples of pg_stat_activity had a claim running; "
+      "claims seen waiting on a lock: %d | %s |" % (busy, s, waits, yes(waits == 0)))
+w("| row 11: sweep >= 0.5x bare DELETE | %s | %s |" % (fx(r11a), yes(None if r11a is None else r11a >= 0.5)))
+r11b = ratio("r11_worker_on", "r11_worker_off")
+w("| row 11: claims while the worker sweeps >= 0.8x without | %s | %s |" % (fx(r11b), yes(None if r11b is None else r11b >= 0.8)))
+w("| row 12: big-table ratio >= 0.95x small-table ratio | %s (%s keys) | %s |" % (
+    fx(r12), nb[0] if nb else "?", yes(None if r12 is None else r12 >= 0.95)))
+p = wait.get("preloaded")
+w("| row 13: p99 <= 5 ms preloaded | %s ms from the COMMIT's acknowledgement (%s ms from COMMIT sent, fsync included) | %s |" % (
+    fmt(p[4], "%.2f") if p else "n/a", fmt(p[1], "%.2f") if p else "n/a", yes(None if not p else p[4] <= 5)))
+w("")
+w("Ratios are medians of per-round ratios; a single round proves nothing on this machine.")
+w("")
+w("![ops/s per row](chart.png)")
+w("")
+
+with open(os.path.join(bench, "RESULTS.md"), "w") as f:
+    f.write("\n".join(lines))
+
+# ------------------------------------------------------------------ chart
+names = {"r1": "1 ext autocommit", "r2": "2 ext one xact", "r3": "3 seed xact", "r4": "4 seed autocommit",
+         "r5": "5 seed advisory", "r6": "6 PL/pgSQL peer", "r7": "7 floor",
+         "r8": "8 ext replay", "r8b": "8 bare SELECT", "r8p": "8 peer replay",
+         "r9": "9 ext storm", "r9p": "9 peer storm", "r10": "10 ext in_progress",
+         "r10b": "10 bare SELECT", "r10p": "10 peer in_progress",
+         "r11_worker_on": "11 claims, worker on", "r11_worker_off": "11 claims, worker off",
+         "r12s_ext": "12 row1 small", "r12s_floor": "12 row7 small", "r12b_ext": "12 row1 big",
+         "r12b_floor": "12 row7 big", "redis_default": "14 Redis claim", "redis_always": "14 Redis fsync always"}
+
+
+def color(label):
+    if label.startswith("redis"):
+        return "0xC0392B"
+    if label in ("r7", "r8b", "r10b") or label.endswith("_floor"):
+        return "0x27AE60"
+    if label in ("r3", "r4", "r5", "r6", "r8p", "r9p", "r10p"):
+        return "0x95A5A6"
+    return "0x2E86C1"
+
+
+dat = os.path.join(out_dir, "chart.dat")
+os.makedirs(out_dir, exist_ok=True)
+with open(dat, "w") as f:
+    for i, (label, v) in enumerate(c for c in chart if c[1]):
+        f.write('%d "%s" %.1f %s\n' % (i, names.get(label, label), v, color(label)))
+subprocess.run(["gnuplot", "-e", "datafile='%s'; outfile='%s'" % (dat, os.path.join(bench, "chart.png")),
+                os.path.join(bench, "chart.gp")], check=False)
