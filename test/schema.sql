@@ -1,0 +1,235 @@
+-- schema.sql (pgTAP): the objects CREATE EXTENSION idempotency makes, their
+-- exact signatures, defaults, return types and properties.
+-- Run with pg_prove against a database where the extension is created.
+\set ON_ERROR_STOP 1
+BEGIN;
+CREATE EXTENSION IF NOT EXISTS pgtap;
+SET LOCAL intervalstyle = 'postgres';
+SELECT plan(120);
+
+-- the extension
+SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
+SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
+          'the extension is not relocatable');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.0',
+          'extension version 1.0');
+SELECT has_schema('idempotency');
+
+-- the table
+SELECT has_table('idempotency', 'keys', 'table idempotency.keys exists');
+SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'idempotency.keys'::regclass), 'p',
+          'keys is a permanent, WAL-logged table (not unlogged, not temporary)');
+SELECT columns_are('idempotency', 'keys', ARRAY[
+    'scope', 'key', 'status', 'token', 'attempt', 'fingerprint', 'response_code',
+    'response_body', 'created_at', 'finished_at', 'lease_until', 'expires_at',
+    'retention', 'sweep_at']);
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'scope'::name, 'text'::text, 'keys.scope is text');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'key'::name, 'text'::text, 'keys.key is text');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'status'::name, 'text'::text, 'keys.status is text');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'token'::name, 'bigint'::text, 'keys.token is bigint');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'attempt'::name, 'integer'::text, 'keys.attempt is integer');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'fingerprint'::name, 'bytea'::text, 'keys.fingerprint is bytea');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'response_code'::name, 'integer'::text, 'keys.response_code is integer');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'response_body'::name, 'jsonb'::text, 'keys.response_body is jsonb');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'created_at'::name, 'timestamp with time zone'::text, 'keys.created_at is timestamp with time zone');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'finished_at'::name, 'timestamp with time zone'::text, 'keys.finished_at is timestamp with time zone');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'lease_until'::name, 'timestamp with time zone'::text, 'keys.lease_until is timestamp with time zone');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'expires_at'::name, 'timestamp with time zone'::text, 'keys.expires_at is timestamp with time zone');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'retention'::name, 'interval'::text, 'keys.retention is interval');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'sweep_at'::name, 'timestamp with time zone'::text, 'keys.sweep_at is timestamp with time zone');
+SELECT is((SELECT c.collname::text FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
+            WHERE a.attrelid = 'idempotency.keys'::regclass AND a.attname = 'scope'),
+          'C', 'scope compares byte for byte (COLLATE "C")');
+SELECT is((SELECT c.collname::text FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
+            WHERE a.attrelid = 'idempotency.keys'::regclass AND a.attname = 'key'),
+          'C', 'key compares byte for byte (COLLATE "C")');
+SELECT col_not_null('idempotency'::name, 'keys'::name, 'scope'::name, 'keys.scope is NOT NULL');
+SELECT col_not_null('idempotency'::name, 'keys'::name, 'key'::name, 'keys.key is NOT NULL');
+SELECT col_not_null('idempotency'::name, 'keys'::name, 'status'::name, 'keys.status is NOT NULL');
+SELECT col_not_null('idempotency'::name, 'keys'::name, 'attempt'::name, 'keys.attempt is NOT NULL');
+SELECT col_not_null('idempotency'::name, 'keys'::name, 'created_at'::name, 'keys.created_at is NOT NULL');
+SELECT col_not_null('idempotency'::name, 'keys'::name, 'expires_at'::name, 'keys.expires_at is NOT NULL');
+SELECT col_not_null('idempotency'::name, 'keys'::name, 'retention'::name, 'keys.retention is NOT NULL');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'token'::name, 'token is nullable (NULL after a sweeper reset)');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'fingerprint'::name, 'fingerprint is nullable (no request)');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'response_code'::name, 'keys.response_code is nullable');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'response_body'::name, 'keys.response_body is nullable');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'finished_at'::name, 'keys.finished_at is nullable');
+SELECT has_pk('idempotency', 'keys', 'keys has a primary key');
+SELECT col_is_pk('idempotency', 'keys', ARRAY['scope', 'key'], 'the primary key is (scope, key)');
+SELECT has_index('idempotency', 'keys', 'keys_sweep_at_idx', 'sweep_at',
+                 'keys_sweep_at_idx indexes sweep_at');
+SELECT is((SELECT count(*)::int FROM pg_trigger WHERE tgrelid = 'idempotency.keys'::regclass), 0,
+          'no triggers on keys');
+
+-- the sequence
+SELECT has_sequence('idempotency', 'token_seq', 'sequence idempotency.token_seq exists');
+SELECT is((SELECT seqtypid::regtype::text FROM pg_sequence
+            WHERE seqrelid = 'idempotency.token_seq'::regclass), 'bigint', 'token_seq is bigint');
+SELECT is((SELECT seqcycle FROM pg_sequence
+            WHERE seqrelid = 'idempotency.token_seq'::regclass), false, 'token_seq never cycles');
+SELECT cmp_ok((SELECT seqincrement FROM pg_sequence
+                WHERE seqrelid = 'idempotency.token_seq'::regclass), '>', 0::bigint,
+              'token_seq increases');
+
+-- both are extension members and dumped with their contents
+SELECT set_eq($$SELECT unnest(extconfig)::regclass::text FROM pg_extension WHERE extname = 'idempotency'$$,
+              ARRAY['idempotency.keys', 'idempotency.token_seq', 'idempotency.scope_bindings'],
+              'keys, token_seq and scope_bindings are registered with pg_extension_config_dump');
+SELECT set_eq($$SELECT unnest(extcondition) FROM pg_extension WHERE extname = 'idempotency'$$,
+              ARRAY['', '', ''], 'their whole content is dumped');
+SELECT set_has($$SELECT objid::regclass::text FROM pg_depend
+                  WHERE refclassid = 'pg_extension'::regclass AND classid = 'pg_class'::regclass
+                    AND deptype = 'e'
+                    AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency')$$,
+               $$VALUES ('idempotency.keys'), ('idempotency.token_seq')$$,
+               'keys and token_seq belong to the extension');
+
+-- the functions: exact argument lists (names, types, defaults)
+SELECT has_function('idempotency', 'idem_claim',
+                    ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
+SELECT has_function('idempotency', 'idem_finish',
+                    ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
+SELECT has_function('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
+SELECT has_function('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
+SELECT has_function('idempotency', 'idem_lookup', ARRAY['text', 'text']);
+SELECT has_function('idempotency', 'idem_sweep', ARRAY['integer']);
+SELECT is((SELECT count(*)::int FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'), 6,
+          'one function of each name: no overloads');
+SELECT is(pg_get_function_arguments('idempotency.idem_claim(text,jsonb,text,interval,interval,interval)'::regprocedure),
+          'key text, request jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, lease interval DEFAULT NULL::interval, retention interval DEFAULT NULL::interval, wait interval DEFAULT ''00:00:00''::interval',
+          'idem_claim arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval)'::regprocedure),
+          'key text, token bigint, response_code integer DEFAULT NULL::integer, response_body jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, status text DEFAULT ''succeeded''::text, retention interval DEFAULT NULL::interval',
+          'idem_finish arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_extend(text,bigint,interval,text)'::regprocedure),
+          'key text, token bigint, lease interval DEFAULT NULL::interval, scope text DEFAULT ''''::text',
+          'idem_extend arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_release(text,bigint,text)'::regprocedure),
+          'key text, token bigint, scope text DEFAULT ''''::text',
+          'idem_release arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_lookup(text,text)'::regprocedure),
+          'key text, scope text DEFAULT ''''::text',
+          'idem_lookup arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_sweep(integer)'::regprocedure),
+          'batch_size integer DEFAULT NULL::integer',
+          'idem_sweep arguments and defaults');
+
+-- return types
+SELECT is(pg_get_function_result('idempotency.idem_claim(text,jsonb,text,interval,interval,interval)'::regprocedure),
+          'TABLE(outcome text, token bigint, attempt integer, status text, response_code integer, response_body jsonb, retry_after integer)',
+          'idem_claim returns its outcome row');
+SELECT function_returns('idempotency', 'idem_finish',
+                        ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval'],
+                        'timestamp with time zone');
+SELECT function_returns('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text'],
+                        'timestamp with time zone');
+SELECT function_returns('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'void');
+SELECT is(pg_get_function_result('idempotency.idem_lookup(text,text)'::regprocedure),
+          'TABLE(status text, attempt integer, response_code integer, response_body jsonb, created_at timestamp with time zone, finished_at timestamp with time zone, expires_at timestamp with time zone)',
+          'idem_lookup returns the key''s state');
+SELECT is(pg_get_function_result('idempotency.idem_sweep(integer)'::regprocedure),
+          'TABLE(expired bigint, reset bigint)',
+          'idem_sweep returns (expired, reset)');
+
+-- properties: C, not SECURITY DEFINER, not STRICT (NULL arguments raise
+-- 22004 rather than silently returning nothing), volatility, parallel
+SELECT function_lang_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval'], 'c');
+SELECT function_lang_is('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval'], 'c');
+SELECT function_lang_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text'], 'c');
+SELECT function_lang_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'c');
+SELECT function_lang_is('idempotency', 'idem_lookup', ARRAY['text', 'text'], 'c');
+SELECT function_lang_is('idempotency', 'idem_sweep', ARRAY['integer'], 'c');
+SELECT isnt_definer('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
+SELECT isnt_definer('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
+SELECT isnt_definer('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
+SELECT isnt_definer('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
+SELECT isnt_definer('idempotency', 'idem_lookup', ARRAY['text', 'text']);
+SELECT isnt_definer('idempotency', 'idem_sweep', ARRAY['integer']);
+SELECT isnt_strict('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
+SELECT isnt_strict('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
+SELECT isnt_strict('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
+SELECT isnt_strict('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
+SELECT isnt_strict('idempotency', 'idem_lookup', ARRAY['text', 'text']);
+SELECT isnt_strict('idempotency', 'idem_sweep', ARRAY['integer']);
+SELECT volatility_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_sweep', ARRAY['integer'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_lookup', ARRAY['text', 'text'], 'stable');
+SELECT is((SELECT array_agg(p.proname::text || ':' || p.proparallel::text ORDER BY p.proname)
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
+          ARRAY['idem_claim:u', 'idem_extend:u', 'idem_finish:u', 'idem_lookup:r',
+                'idem_release:u', 'idem_sweep:u'],
+          'writers are PARALLEL UNSAFE, lookup PARALLEL RESTRICTED');
+SELECT is((SELECT array_agg(p.proname::text ORDER BY p.proname)
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%' AND p.proretset),
+          ARRAY['idem_claim', 'idem_lookup', 'idem_sweep'],
+          'claim, lookup and sweep return rows');
+SELECT is((SELECT array_agg(DISTINCT p.probin) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
+          ARRAY['$libdir/idempotency'], 'all functions live in $libdir/idempotency');
+SELECT is((SELECT array_agg(p.prosrc ORDER BY p.prosrc) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
+          ARRAY['idem_claim', 'idem_extend', 'idem_finish', 'idem_lookup', 'idem_release', 'idem_sweep'],
+          'each function has the C symbol of its name');
+
+-- the stats view, the operations functions and the tenant bindings
+SELECT has_view('idempotency', 'stats', 'view idempotency.stats exists');
+SELECT columns_are('idempotency', 'stats', ARRAY[
+    'database', 'claims', 'takeovers', 'replays', 'in_progress', 'mismatches', 'finishes',
+    'releases', 'expired', 'reset', 'last_sweep_at', 'last_sweep_ms',
+    'pending', 'succeeded', 'failed']);
+SELECT has_function('idempotency', 'stats_reset', ARRAY[]::name[]);
+SELECT function_returns('idempotency', 'stats_reset', ARRAY[]::name[], 'void');
+SELECT isnt_definer('idempotency', 'stats_reset', ARRAY[]::name[]);
+SELECT has_table('idempotency', 'scope_bindings', 'table idempotency.scope_bindings exists');
+SELECT columns_are('idempotency', 'scope_bindings', ARRAY['role', 'scope_prefix']);
+SELECT col_is_pk('idempotency', 'scope_bindings', ARRAY['role'], 'one binding per role');
+SELECT col_type_is('idempotency'::name, 'scope_bindings'::name, 'role'::name, 'regrole'::text,
+                   'scope_bindings.role is regrole');
+SELECT has_trigger('idempotency', 'scope_bindings', 'scope_bindings_changed',
+                   'changes to the bindings are broadcast');
+SELECT has_function('idempotency', 'bind_scope', ARRAY['regrole', 'text']);
+SELECT function_returns('idempotency', 'bind_scope', ARRAY['regrole', 'text'], 'void');
+SELECT isnt_definer('idempotency', 'bind_scope', ARRAY['regrole', 'text']);
+SELECT has_function('idempotency', 'unbind_scope', ARRAY['regrole']);
+SELECT function_returns('idempotency', 'unbind_scope', ARRAY['regrole'], 'boolean');
+SELECT isnt_definer('idempotency', 'unbind_scope', ARRAY['regrole']);
+
+-- they work: one round trip
+SELECT is((SELECT outcome FROM idempotency.idem_claim('schema-1', '{"a": 1}', 'pgtap-schema')), 'claimed',
+          'idem_claim claims a new key');
+SELECT is((SELECT outcome FROM idempotency.idem_claim('schema-1', '{"a": 1}', 'pgtap-schema')), 'in_progress',
+          'idem_claim of a key this transaction holds answers in_progress');
+SELECT cmp_ok(idempotency.idem_finish('schema-1', (SELECT token FROM idempotency.keys
+                                                     WHERE scope = 'pgtap-schema' AND key = 'schema-1'),
+                                      200, '{"r": 1}', 'pgtap-schema'),
+              '>', now(), 'idem_finish returns a future expiry');
+SELECT results_eq($$SELECT outcome, response_code, response_body
+                      FROM idempotency.idem_claim('schema-1', '{"a": 1}', 'pgtap-schema')$$,
+                  $$VALUES ('replay'::text, 200, '{"r": 1}'::jsonb)$$,
+                  'a finished key replays');
+SELECT results_eq($$SELECT status, attempt, response_code FROM idempotency.idem_lookup('schema-1', 'pgtap-schema')$$,
+                  $$VALUES ('succeeded'::text, 1, 200)$$, 'idem_lookup shows it');
+
+-- the settings exist with their contexts
+SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
+              ARRAY['idempotency.lease:user', 'idempotency.retention:user',
+                    'idempotency.max_response_size:superuser', 'idempotency.sweep_batch:sighup',
+                    'idempotency.sweep_interval:sighup'],
+              'the five settings and their contexts');
+SELECT is(current_setting('idempotency.lease'), '30s', 'lease defaults to 30s');
+SELECT is(current_setting('idempotency.retention'), '1d', 'retention defaults to 24h');
+SELECT is(current_setting('idempotency.max_response_size'), '1MB', 'max_response_size defaults to 1MB');
+SELECT is((SELECT boot_val FROM pg_settings WHERE name = 'idempotency.sweep_batch'), '1000',
+          'sweep_batch defaults to 1000');
+SELECT is((SELECT boot_val || unit FROM pg_settings WHERE name = 'idempotency.sweep_interval'), '60000ms',
+          'sweep_interval defaults to 60s');
+
+SELECT * FROM finish();
+ROLLBACK;
