@@ -14,7 +14,9 @@ CREATE SEQUENCE idempotency.token_seq AS bigint NO CYCLE;
 
 /*
  * The key store.  One row per (scope, key).  Application roles get no
- * privilege on it: they reach it only through the functions below.
+ * privilege on it: they reach it only through the functions below, which
+ * are the only writers (so the values below are enforced in C; a CHECK
+ * constraint would be re-parsed by every write's executor start-up).
  *
  *   status       pending | succeeded | failed
  *   token        the current fencing token; NULL once the sweeper reset a
@@ -24,8 +26,13 @@ CREATE SEQUENCE idempotency.token_seq AS bigint NO CYCLE;
  *   lease_until  a pending attempt is live until then
  *   expires_at   the key behaves as absent from then on
  *   retention    the claim's retention, the default for idem_finish
- *   sweep_at     when the sweeper next has work on this row: lease_until
- *                for a live pending key, expires_at otherwise
+ *   sweep_at     no later than the sweeper's next work on this row.  A claim
+ *                sets it to the lease's end; finish and extend leave it alone
+ *                (so they stay HOT updates: no indexed column changes) and the
+ *                sweeper moves it forward when it finds the row early.
+ *
+ * fillfactor leaves room on each page for the finish's new row version, so
+ * it usually stays on the page of its claim (a HOT update).
  */
 CREATE TABLE idempotency.keys (
 	scope			text COLLATE "C" NOT NULL,
@@ -42,11 +49,8 @@ CREATE TABLE idempotency.keys (
 	expires_at		timestamptz NOT NULL,
 	retention		interval NOT NULL,
 	sweep_at		timestamptz NOT NULL,
-	CONSTRAINT keys_pkey PRIMARY KEY (scope, key),
-	CONSTRAINT keys_status_check
-		CHECK (status OPERATOR(pg_catalog.=) ANY
-			   (ARRAY['pending', 'succeeded', 'failed']::pg_catalog.text[]))
-);
+	CONSTRAINT keys_pkey PRIMARY KEY (scope, key)
+) WITH (fillfactor = 80);
 CREATE INDEX keys_sweep_at_idx ON idempotency.keys (sweep_at);
 
 REVOKE ALL ON TABLE idempotency.keys FROM PUBLIC;

@@ -120,6 +120,7 @@ extern void idem_store_extend(const IdemRow *row, TimestampTz lease_until,
 							  TimestampTz expires_at);
 extern void idem_store_delete(const IdemRow *row);
 extern void idem_store_reset(const IdemRow *row);
+extern void idem_store_reschedule(const IdemRow *row, TimestampTz sweep_at);
 extern int	idem_store_sweep_candidates(TimestampTz now, int limit,
 										text ***scopes, text ***keys);
 
@@ -156,7 +157,7 @@ extern void idem_stats_sweep_done(TimestampTz at, double ms);
 extern void idem_tenant_check(text *scope);
 
 /* ---- sweep.c ---- */
-extern void idem_sweep_batch_run(int batch, int64 *expired, int64 *reset);
+extern bool idem_sweep_batch_run(int batch, int64 *expired, int64 *reset);
 
 /* ---- worker.c ---- */
 extern void idem_worker_init(void);

@@ -97,6 +97,7 @@ typedef enum StorePlan
 	PLAN_EXTEND,
 	PLAN_DELETE,
 	PLAN_RESET,
+	PLAN_RESCHEDULE,
 	PLAN_SWEEP_CANDIDATES,
 	NUM_PLANS
 } StorePlan;
@@ -120,7 +121,8 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 		"UPDATE idempotency.keys SET status = 'pending', token = $2, "
 		"attempt = $3, fingerprint = $4, response_code = NULL, "
 		"response_body = NULL, created_at = $5, finished_at = NULL, "
-		"lease_until = $6, expires_at = $7, retention = $8, sweep_at = $6 "
+		"lease_until = $6, expires_at = $7, retention = $8, "
+		"sweep_at = LEAST(sweep_at, $6) "
 		"WHERE ctid OPERATOR(pg_catalog.=) $1",
 		8, {TIDOID, INT8OID, INT4OID, BYTEAOID, TIMESTAMPTZOID,
 		TIMESTAMPTZOID, TIMESTAMPTZOID, INTERVALOID}
@@ -128,14 +130,13 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 	[PLAN_FINISH] = {
 		"UPDATE idempotency.keys SET status = $2, response_code = $3, "
 		"response_body = $4, finished_at = $5, lease_until = NULL, "
-		"expires_at = $6, sweep_at = $6 "
-		"WHERE ctid OPERATOR(pg_catalog.=) $1",
+		"expires_at = $6 WHERE ctid OPERATOR(pg_catalog.=) $1",
 		6, {TIDOID, TEXTOID, INT4OID, JSONBOID, TIMESTAMPTZOID,
 		TIMESTAMPTZOID}
 	},
 	[PLAN_EXTEND] = {
-		"UPDATE idempotency.keys SET lease_until = $2, expires_at = $3, "
-		"sweep_at = $2 WHERE ctid OPERATOR(pg_catalog.=) $1",
+		"UPDATE idempotency.keys SET lease_until = $2, expires_at = $3 "
+		"WHERE ctid OPERATOR(pg_catalog.=) $1",
 		3, {TIDOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
 	},
 	[PLAN_DELETE] = {
@@ -146,6 +147,11 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 		"UPDATE idempotency.keys SET token = NULL, sweep_at = expires_at "
 		"WHERE ctid OPERATOR(pg_catalog.=) $1",
 		1, {TIDOID}
+	},
+	[PLAN_RESCHEDULE] = {
+		"UPDATE idempotency.keys SET sweep_at = $2 "
+		"WHERE ctid OPERATOR(pg_catalog.=) $1",
+		2, {TIDOID, TIMESTAMPTZOID}
 	},
 	[PLAN_SWEEP_CANDIDATES] = {
 		"SELECT scope, key FROM idempotency.keys "
@@ -600,6 +606,21 @@ idem_store_reset(const IdemRow *row)
 
 	values[0] = PointerGetDatum(&row->tid);
 	store_write(PLAN_RESET, values, NULL, SPI_OK_UPDATE);
+}
+
+/*
+ * Tell the sweeper when it next has work on the probed row.  Finish and
+ * extend leave sweep_at alone, so that they stay HOT updates (no index
+ * entry changes); the sweeper moves it forward when it finds the row early.
+ */
+void
+idem_store_reschedule(const IdemRow *row, TimestampTz sweep_at)
+{
+	Datum		values[2];
+
+	values[0] = PointerGetDatum(&row->tid);
+	values[1] = TimestampTzGetDatum(sweep_at);
+	store_write(PLAN_RESCHEDULE, values, NULL, SPI_OK_UPDATE);
 }
 
 /*

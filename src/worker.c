@@ -179,10 +179,11 @@ sweeper_extension_installed(void)
 
 /*
  * Run one sweep batch in a transaction of its own, in worker_spi's order.
- * Returns false when the extension is not installed.
+ * Returns false when the extension is not installed; sets *more when more
+ * keys may be due.
  */
 static bool
-sweeper_batch(int batch, int64 *expired, int64 *reset)
+sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 {
 	bool		installed;
 
@@ -193,7 +194,7 @@ sweeper_batch(int batch, int64 *expired, int64 *reset)
 
 	installed = sweeper_extension_installed();
 	if (installed)
-		idem_sweep_batch_run(batch, expired, reset);
+		*more = idem_sweep_batch_run(batch, expired, reset);
 
 	PopActiveSnapshot();
 	CommitTransactionCommand();
@@ -231,19 +232,20 @@ idem_sweeper_main(Datum arg)
 		{
 			int64		e = 0;
 			int64		r = 0;
+			bool		more = false;
 			int			batch = idem_sweep_batch;
 
 			CHECK_FOR_INTERRUPTS();
 			if (RecoveryInProgress())
 				break;
-			if (!sweeper_batch(batch, &e, &r))
+			if (!sweeper_batch(batch, &e, &r, &more))
 			{
 				result = VISIT_NO_EXTENSION;
 				break;
 			}
 			expired += e;
 			reset += r;
-			if (e < batch && r < batch)
+			if (!more)
 				break;
 			if (TimestampDifferenceExceeds(start, GetCurrentTimestamp(),
 										   VISIT_SLICE_MS))
