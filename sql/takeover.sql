@@ -68,7 +68,22 @@ RETURNING step, outcome, token, attempt, status, response_code, response_body, r
 -- Takeovers go on: attempt 2 with a short lease, then attempt 3.
 INSERT INTO r SELECT 'b2', * FROM idempotency.idem_claim('t2', '{"job": 2}', 'takeover', lease => '1 second')
 RETURNING step, outcome, attempt;
+INSERT INTO r SELECT 'r1', * FROM idempotency.idem_claim('t5', scope => 'takeover',
+       lease => '1 second', retention => '1 hour')
+RETURNING step, outcome, attempt;
 SELECT pg_sleep(1.1);
+-- a takeover is a claim: its own lease and retention (not the first claim's)
+SELECT clock_timestamp() AS before_r2 \gset
+INSERT INTO r SELECT 'r2', * FROM idempotency.idem_claim('t5', scope => 'takeover',
+       lease => '2 minutes', retention => '7 days')
+RETURNING step, outcome, attempt;
+SELECT clock_timestamp() AS after_r2 \gset
+SELECT k.retention = '7 days' AS takeover_retention,
+       k.lease_until BETWEEN :'before_r2'::timestamptz + '2 minutes'
+                         AND :'after_r2'::timestamptz + '2 minutes' AS takeover_lease,
+       k.expires_at BETWEEN :'before_r2'::timestamptz + '7 days'
+                        AND :'after_r2'::timestamptz + '7 days' AS expires_7d
+  FROM idempotency.keys k WHERE k.scope = 'takeover' AND k.key = 't5';
 INSERT INTO r SELECT 'b3', * FROM idempotency.idem_claim('t2', '{"job": 2}', 'takeover')
 RETURNING step, outcome, attempt;
 SELECT (SELECT token FROM r WHERE step = 'b3') > (SELECT token FROM r WHERE step = 'b2')
