@@ -139,6 +139,28 @@ COMMIT;
 SELECT key, status, attempt, response_code, response_body FROM idempotency.keys
  WHERE scope = 'txn' AND key LIKE 'tx-savepoint%' ORDER BY key;
 
+-- A PL/pgSQL exception block (a subtransaction) rolled back past a claim
+-- and its finish leaves no key either; the key can be claimed again.
+BEGIN;
+DO $$
+DECLARE
+	c record;
+BEGIN
+	BEGIN
+		SELECT * INTO c FROM idempotency.idem_claim('tx-exception', scope => 'txn');
+		PERFORM idempotency.idem_finish('tx-exception', c.token, 200, NULL, 'txn');
+		RAISE EXCEPTION 'the handler failed';
+	EXCEPTION WHEN raise_exception THEN
+		NULL;
+	END;
+END
+$$;
+SELECT count(*) AS keys_in_tx FROM idempotency.keys WHERE scope = 'txn' AND key = 'tx-exception';
+SELECT outcome, attempt FROM idempotency.idem_claim('tx-exception', scope => 'txn');
+SELECT outcome, retry_after FROM idempotency.idem_claim('tx-exception', scope => 'txn');
+COMMIT;
+SELECT status, attempt FROM idempotency.keys WHERE scope = 'txn' AND key = 'tx-exception';
+
 --
 -- Leases are measured on the wall clock at the moment of the call, not from
 -- the start of the transaction.
