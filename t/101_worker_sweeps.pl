@@ -57,14 +57,15 @@ sub claim
 	  -1;
 }
 
-# Every column of a stored key, as one line ('' when the key is absent).
+# Every column of a stored key but sweep_at (the worker's own schedule, which
+# it may move), as one line ('' when the key is absent).
 sub stored_row
 {
 	my ($db, $key) = @_;
 	return sql($db,
 		    "SELECT status, token, attempt, encode(fingerprint, 'hex'), "
 		  . "response_code, response_body, created_at, finished_at, "
-		  . "lease_until, expires_at, retention, sweep_at "
+		  . "lease_until, expires_at, retention "
 		  . "FROM idempotency.keys WHERE scope = '' AND key = '$key'");
 }
 
@@ -112,13 +113,27 @@ sub populate
 	for my $i (1 .. 3)
 	{
 		($o, $t, $a) = claim($db,
-			"'exp-$i', request => '{\"i\": $i}', retention => '1 second'");
+			"'exp-$i', request => '{\"i\": $i}', lease => '1 second', "
+			  . "retention => '1 second'");
 		is($o, 'claimed', "$db: exp-$i claimed");
 		my $status = $i == 3 ? 'failed' : 'succeeded';
 		sql($db,
 			"SELECT idempotency.idem_finish('exp-$i', $t, 200, '{\"n\": $i}', "
 			  . "status => '$status')");
 	}
+
+	# Retention shorter than the lease it was claimed with, and longer:
+	# both are deleted once past retention (whenever the worker looks).
+	($o, $t, $a) = claim($db, "'exp-longlease', lease => '3 seconds'");
+	is($o, 'claimed', "$db: exp-longlease claimed");
+	sql($db,
+		"SELECT idempotency.idem_finish('exp-longlease', $t, 200, "
+		  . "retention => '1 second')");
+	($o, $t, $a) = claim($db, "'exp-resched', lease => '1 second'");
+	is($o, 'claimed', "$db: exp-resched claimed");
+	sql($db,
+		"SELECT idempotency.idem_finish('exp-resched', $t, 200, "
+		  . "retention => '3 seconds')");
 
 	# A finished key kept for a day: the worker must not touch it.
 	($o, $t, $a) = claim($db, "'keep', request => '{\"k\": 1}'");
@@ -194,8 +209,8 @@ sub check_swept
 	is( sql($db,
 			"SELECT expired, reset, last_sweep_at IS NOT NULL, last_sweep_ms >= 0 "
 			  . "FROM idempotency.stats WHERE database = current_database()"),
-		'4|1|t|t',
-		"$db: stats count 4 expired and 1 reset; last_sweep_at is set");
+		'6|1|t|t',
+		"$db: stats count 6 expired and 1 reset; last_sweep_at is set");
 }
 
 # --- Two databases created before the worker's first round over them ---
@@ -255,7 +270,8 @@ for my $db (qw(tmpl noconn))
 sql('postgres', 'ALTER DATABASE tmpl IS_TEMPLATE true');
 for my $db (qw(tmpl noconn))
 {
-	my ($o, $t, $a) = claim($db, "'exp-1', retention => '2 seconds'");
+	my ($o, $t, $a) = claim($db,
+		"'exp-1', lease => '1 second', retention => '2 seconds'");
 	is($o, 'claimed', "$db: exp-1 claimed");
 	sql($db, "SELECT idempotency.idem_finish('exp-1', $t, 200)");
 }

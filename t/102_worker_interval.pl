@@ -46,13 +46,13 @@ sub sqlstate_of
 	return "no SQLSTATE (ret $ret): $err";
 }
 
-# Claim and finish a key kept for $retention.
+# Claim (with a short lease) and finish a key kept for $retention.
 sub finished_key
 {
 	my ($key, $retention) = @_;
 	my ($o, $t) = split /\|/,
 	  sql("SELECT outcome, token FROM idempotency.idem_claim('$key', "
-		  . "retention => '$retention')");
+		  . "lease => '1 second', retention => '$retention')");
 	is($o, 'claimed', "$key claimed");
 	sql("SELECT idempotency.idem_finish('$key', $t, 200, '{\"key\": \"$key\"}')");
 }
@@ -181,7 +181,7 @@ is( sql("SELECT count(*) FROM ("
 		  . "SELECT idempotency.idem_finish('b-' || i, c.token, 200) "
 		  . "FROM generate_series(1, 50) AS i, "
 		  . "LATERAL idempotency.idem_claim('b-' || i, "
-		  . "retention => '1 second') AS c) AS f"),
+		  . "lease => '1 second', retention => '1 second') AS c) AS f"),
 	'50', '50 keys claimed and finished in one statement');
 sql('SELECT idempotency.stats_reset()');
 ok( $node->poll_query_until(

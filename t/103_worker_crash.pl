@@ -1,0 +1,287 @@
+
+# Copyright: the idempotency extension authors.
+#
+# 103_worker_crash.pl: the worker and crashes.
+#  - kill -9 of the launcher: the postmaster treats it as a crash (every
+#    backend ends, crash recovery), starts a new launcher, and sweeping
+#    resumes; no finished key is lost or changed.
+#  - SIGTERM of the launcher (pg_terminate_backend): the postmaster starts
+#    it again after its restart time, without a crash.
+#  - an immediate shutdown while the worker sweeps a large backlog and a
+#    client claims and finishes keys: after restart every finished key that
+#    existed before is intact (same checksum), every finish the client saw
+#    committed is there with its token and response, and the worker goes on
+#    to sweep the rest of the backlog.
+#
+# Run it like the other TAP tests (see the top of t/001_restart.pl).
+
+use strict;
+use warnings FATAL => 'all';
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use IPC::Run;
+use Time::HiRes qw(usleep);
+
+my $node = PostgreSQL::Test::Cluster->new('crash', port => 55446);
+$node->init;
+$node->append_conf('postgresql.conf', <<'EOF');
+shared_preload_libraries = 'idempotency'
+idempotency.sweep_interval = '300ms'
+restart_after_crash = on
+EOF
+$node->start;
+
+sub sql
+{
+	my ($db, $sql) = @_;
+	return $node->safe_psql($db, $sql);
+}
+
+# A digest of every finished key: scope, key, status, token, attempt,
+# fingerprint, response, times.  Any change or loss changes it.
+my $finished_digest_sql =
+	"SELECT count(*) || ':' || coalesce(md5(string_agg(concat_ws('|', scope, key, "
+  . "status, token, attempt, encode(fingerprint, 'hex'), response_code, "
+  . "response_body::text, created_at, finished_at, expires_at, retention), "
+  . "E'\\n' ORDER BY scope, key)), '-') "
+  . "FROM idempotency.keys WHERE status <> 'pending'";
+
+sub finished_digest
+{
+	my ($db) = @_;
+	return sql($db, $finished_digest_sql);
+}
+
+sub launcher_pid
+{
+	return sql('postgres',
+		"SELECT pid FROM pg_stat_activity "
+		  . "WHERE backend_type = 'idempotency launcher'");
+}
+
+# $n finished keys named "$prefix-<i>", kept for $retention, in one statement.
+sub finish_keys
+{
+	my ($db, $prefix, $n, $retention, $status) = @_;
+	$status //= 'succeeded';
+	return sql($db,
+		    "SELECT count(*) FROM ("
+		  . "SELECT idempotency.idem_finish('$prefix-' || i, c.token, 200 + i % 3, "
+		  . "jsonb_build_object('key', '$prefix-' || i, 'pad', repeat('x', i % 50)), "
+		  . "status => '$status') "
+		  . "FROM generate_series(1, $n) AS i, "
+		  . "LATERAL idempotency.idem_claim('$prefix-' || i, "
+		  . "request => jsonb_build_object('i', i), lease => '1 second', "
+		  . "retention => '$retention') AS c) AS f");
+}
+
+# Keys that must survive everything below, in two databases.
+sql('postgres', 'CREATE EXTENSION idempotency');
+sql('postgres', 'CREATE DATABASE shop');
+sql('shop', 'CREATE EXTENSION idempotency');
+my %digest;
+for my $db (qw(postgres shop))
+{
+	is(finish_keys($db, 'keep', 300, '1 day'), '300',
+		"$db: 300 finished keys kept for a day");
+	is(finish_keys($db, 'keep-failed', 50, '1 day', 'failed'), '50',
+		"$db: 50 failed keys kept for a day");
+	$digest{$db} = finished_digest($db);
+	like($digest{$db}, qr/^350:[0-9a-f]{32}$/, "$db: digest of 350 finished keys");
+}
+
+# --- kill -9 of the launcher ---
+
+my $pid = launcher_pid();
+like($pid, qr/^\d+$/, "the launcher runs (pid $pid)");
+my $log_offset = -s $node->logfile;
+is(kill('KILL', $pid), 1, 'SIGKILL sent to the launcher');
+
+$node->wait_for_log(
+	qr/background worker "idempotency launcher" \(PID $pid\) was terminated by signal 9/,
+	$log_offset);
+$node->wait_for_log(qr/all server processes terminated; reinitializing/,
+	$log_offset);
+ok( $node->poll_query_until(
+		'postgres',
+		"SELECT count(*) = 1 FROM pg_stat_activity "
+		  . "WHERE backend_type = 'idempotency launcher' AND pid <> $pid"),
+	'after the crash a new launcher runs');
+like(
+	slurp_file($node->logfile, $log_offset),
+	qr/database system was not properly shut down; automatic recovery in progress/,
+	'the server went through crash recovery');
+
+for my $db (qw(postgres shop))
+{
+	is(finished_digest($db), $digest{$db},
+		"$db: every finished key is intact after the launcher's crash");
+}
+
+# Sweeping resumes in both databases: an expired key and a stale claim.
+for my $db (qw(postgres shop))
+{
+	is(finish_keys($db, 'after-kill', 5, '1 second'), '5',
+		"$db: 5 keys kept for one second");
+	is( sql($db,
+			"SELECT outcome FROM idempotency.idem_claim('stale-after-kill', "
+			  . "lease => '1 second', retention => '1 day')"),
+		'claimed', "$db: a claim with a 1 second lease");
+}
+for my $db (qw(postgres shop))
+{
+	ok( $node->poll_query_until(
+			$db,
+			"SELECT count(*) FILTER (WHERE key LIKE 'after-kill-%') = 0 "
+			  . "AND bool_and(token IS NULL) FILTER (WHERE key = 'stale-after-kill') "
+			  . "FROM idempotency.keys"),
+		"$db: the new launcher expires and resets keys");
+	is(finished_digest($db), $digest{$db},
+		"$db: ... and leaves the kept keys alone");
+	is( sql($db,
+			"SELECT expired, reset, last_sweep_at IS NOT NULL "
+			  . "FROM idempotency.stats WHERE database = current_database()"),
+		'5|1|t',
+		"$db: stats since the crash: 5 expired, 1 reset");
+}
+
+# --- SIGTERM of the launcher: restarted without a crash ---
+
+$pid = launcher_pid();
+$log_offset = -s $node->logfile;
+is(sql('postgres', "SELECT pg_terminate_backend($pid)"), 't',
+	'pg_terminate_backend of the launcher');
+ok( $node->poll_query_until(
+		'postgres',
+		"SELECT count(*) = 1 FROM pg_stat_activity "
+		  . "WHERE backend_type = 'idempotency launcher' AND pid <> $pid"),
+	'the postmaster starts the launcher again');
+unlike(
+	slurp_file($node->logfile, $log_offset),
+	qr/reinitializing|terminated by signal/,
+	'a terminated launcher is no crash');
+is(finish_keys('shop', 'after-term', 3, '1 second'), '3',
+	'shop: 3 keys kept for one second');
+ok( $node->poll_query_until(
+		'shop',
+		"SELECT count(*) = 0 FROM idempotency.keys WHERE key LIKE 'after-term-%'"),
+	'shop: the restarted launcher sweeps');
+
+# --- Immediate shutdown during a sweep and claims ---
+
+# A backlog of several thousand expired keys and stale claims, swept in
+# small batches, so that the worker is in the middle of it when we stop.
+sql('postgres', "ALTER SYSTEM SET idempotency.sweep_batch = 20");
+sql('postgres', 'SELECT pg_reload_conf()');
+# Stop sweeping while the backlog is built, so that it is all there.
+sql('postgres', "ALTER SYSTEM SET idempotency.sweep_interval = 0");
+sql('postgres', 'SELECT pg_reload_conf()');
+sleep(1);
+is(finish_keys('shop', 'backlog', 8000, '1 second'), '8000',
+	'shop: 8000 keys kept for one second');
+is( sql('shop',
+		"SELECT count(*) FROM generate_series(1, 1000) AS i, "
+		  . "LATERAL idempotency.idem_claim('st-' || i, lease => '1 second', "
+		  . "retention => '1 day') AS c WHERE c.outcome = 'claimed'"),
+	'1000', 'shop: 1000 claims with a 1 second lease');
+ok( $node->poll_query_until(
+		'shop',
+		"SELECT max(expires_at) < clock_timestamp() FROM idempotency.keys "
+		  . "WHERE key LIKE 'backlog-%'"),
+	'shop: the backlog is past its retention');
+my $backlog_digest = finished_digest('shop');
+$digest{shop} = sql('shop',
+	$finished_digest_sql . " AND key NOT LIKE 'backlog-%'");
+
+# A client claims and finishes keys, one autocommit statement each, and
+# prints a line for each finish it saw committed.
+my $load_sql = '';
+for my $i (1 .. 20000)
+{
+	$load_sql .=
+	    "SELECT 'done', c.token, idempotency.idem_finish('load-$i', c.token, 200, "
+	  . "'{\"load\": $i}') IS NOT NULL FROM idempotency.idem_claim('load-$i', "
+	  . "request => '{\"i\": $i}', retention => '1 day') AS c;\n";
+}
+my $load_file = PostgreSQL::Test::Utils::tempdir() . '/load.sql';
+append_to_file($load_file, $load_sql);
+my ($load_out, $load_err) = ('', '');
+my $load = IPC::Run::start(
+	[ 'psql', '-XAt', '-d', $node->connstr('shop'), '-f', $load_file ],
+	'<', \undef, '>', \$load_out, '2>', \$load_err);
+
+# Let the client get going.
+my $spins = 0;
+while (($load_out =~ tr/\n//) < 200 && $spins++ < 10 * $PostgreSQL::Test::Utils::timeout_default)
+{
+	$load->pump_nb;
+	usleep(100_000);
+}
+cmp_ok(($load_out =~ tr/\n//), '>=', 200, 'the client has finished 200 keys');
+
+# Sweeping on again: wait until the worker is part-way through the backlog.
+sql('postgres', "ALTER SYSTEM SET idempotency.sweep_interval = '300ms'");
+sql('postgres', 'SELECT pg_reload_conf()');
+ok( $node->poll_query_until(
+		'shop',
+		"SELECT count(*) < 8000 FROM idempotency.keys WHERE key LIKE 'backlog-%'"),
+	'shop: the worker has started on the backlog');
+my $left = sql('shop',
+	"SELECT count(*) FROM idempotency.keys WHERE key LIKE 'backlog-%'");
+$node->stop('immediate');
+# psql ends with an error; collect everything it printed.
+$load->finish;
+my @done = $load_out =~ /^done\|(\d+)\|t$/mg;
+cmp_ok($left, '>', 0, "the backlog was being swept ($left keys left)");
+cmp_ok(scalar(@done), '>=', 200,
+	scalar(@done) . ' load keys were finished before the stop');
+cmp_ok(scalar(@done), '<', 20000, 'the stop interrupted the client');
+like($load_err, qr/server closed the connection|terminating connection/,
+	'the client lost its connection');
+
+$node->start;
+is(sql('shop', $finished_digest_sql . " AND key NOT LIKE 'backlog-%' AND key NOT LIKE 'load-%'"),
+	$digest{shop},
+	'shop: every finished key from before the stop is intact');
+is(finished_digest('postgres'), $digest{postgres},
+	'postgres: every finished key is intact');
+
+# Every finish the client saw committed is stored, with its token and
+# response.  (The lines are in order: key load-N is line N.)
+my $expect = '';
+for my $i (0 .. $#done)
+{
+	my $n = $i + 1;
+	$expect .= "load-$n|succeeded|$done[$i]|1|200|{\"load\": $n}\n";
+}
+my $n_done = scalar(@done);
+is( sql('shop',
+		    "SELECT string_agg(concat_ws('|', key, status, token, attempt, "
+		  . "response_code, response_body::text), E'\\n' ORDER BY "
+		  . "substr(key, 6)::int) || E'\\n' FROM idempotency.keys "
+		  . "WHERE key LIKE 'load-%' AND substr(key, 6)::int <= $n_done"),
+	$expect, "all $n_done finishes the client saw are stored");
+# A load key after them may be committed (reply lost) or absent, never half.
+is( sql('shop',
+		"SELECT count(*) FROM idempotency.keys WHERE key LIKE 'load-%' "
+		  . "AND substr(key, 6)::int > $n_done + 1"),
+	'0', 'no load key beyond the one in flight');
+
+# The worker picks up where it stopped: the whole backlog is swept, and the
+# stale claims are reset.
+ok( $node->poll_query_until(
+		'shop',
+		"SELECT count(*) FILTER (WHERE key LIKE 'backlog-%') = 0 "
+		  . "AND count(*) FILTER (WHERE key LIKE 'st-%' AND token IS NOT NULL) = 0 "
+		  . "AND count(*) FILTER (WHERE key LIKE 'st-%') = 1000 "
+		  . "FROM idempotency.keys"),
+	'shop: after restart the backlog is swept and the stale claims reset');
+is(sql('shop', $finished_digest_sql . " AND key NOT LIKE 'backlog-%' AND key NOT LIKE 'load-%'"),
+	$digest{shop},
+	'shop: the kept keys are still intact after the sweep');
+like($backlog_digest, qr/^8\d{3}:/, 'the backlog had been counted');
+
+$node->stop;
+done_testing();
