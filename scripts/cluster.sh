@@ -1,0 +1,154 @@
+# shellcheck shell=bash
+# scripts/cluster.sh: throwaway PostgreSQL clusters for demos, tests, benchmarks
+# and examples. Source it from bash; it defines functions only and changes no
+# shell options.
+#
+# A cluster lives in one base directory <dir> (make it with `mktemp -d`):
+#   <dir>/data        the data directory (initdb, owned by the postgres user)
+#   <dir>/socket      the unix socket directory (the only way in: no TCP)
+#   <dir>/server.log  the server log
+#   <dir>/port        the port the cluster was started on
+# PostgreSQL refuses to run as root, so when we are root every server
+# command runs as the `postgres` OS user; when we already are that user, it
+# runs directly. A cluster is stopped by its data directory, never by process
+# name, so other clusters on the machine are never touched.
+#
+# Functions:
+#   as_postgres <cmd> [args...]         run a command as the postgres OS user
+#   cluster_init <dir>                  initdb into <dir>/data (trust auth,
+#                                       UTF8, C locale, superuser postgres)
+#   cluster_start <dir> <port> [conf-line...]
+#                                       init if needed, append the lines to
+#                                       postgresql.conf (e.g.
+#                                       "shared_preload_libraries = 'idempotency'"),
+#                                       start and wait until it accepts
+#                                       connections; on failure print the log
+#   cluster_stop <dir>                  stop it (fast) if it is running
+#   cluster_stop_all                    stop every cluster this shell started
+#                                       (meant for `trap ... EXIT`)
+#   cluster_port <dir>                  print the cluster's port
+#   cluster_host <dir>                  print the cluster's socket directory
+#   cluster_psql <dir> [psql args...]   psql -X as postgres to that cluster
+#                                       (database postgres unless -d is given)
+#   cluster_createdb <dir> <db> [ext...]
+#                                       create a database and the extensions
+#                                       in it (pass `idempotency` for ours)
+#   cluster_env <dir> [db]              export PGHOST PGPORT PGUSER PGDATABASE
+#                                       for that cluster
+#
+# Settings (environment): PG_BIN (default /usr/lib/postgresql/15/bin),
+# PG_OS_USER (default postgres).
+
+: "${PG_BIN:=/usr/lib/postgresql/15/bin}"
+: "${PG_OS_USER:=postgres}"
+
+# Base directories of the clusters this shell started (for cluster_stop_all).
+CLUSTER_STARTED=()
+
+# Run a command as the postgres OS user (directly if we already are that user).
+as_postgres() {
+	if [[ $(id -un) == "$PG_OS_USER" ]]; then
+		"$@"
+	elif [[ $(id -u) -eq 0 ]]; then
+		runuser -u "$PG_OS_USER" -- "$@"
+	else
+		echo "cluster.sh: run as root or as $PG_OS_USER to start PostgreSQL" >&2
+		return 1
+	fi
+}
+
+# Create the data and socket directories and initdb the cluster in <dir>.
+cluster_init() {
+	local dir=$1
+	mkdir -p "$dir/socket"
+	if [[ $(id -u) -eq 0 ]]; then
+		chown -R "$PG_OS_USER": "$dir"
+	fi
+	chmod 700 "$dir"
+	(cd / && as_postgres "$PG_BIN/initdb" -D "$dir/data" -U postgres \
+		--auth=trust -E UTF8 --locale=C --no-sync >"$dir/initdb.log" 2>&1) || {
+		cat "$dir/initdb.log" >&2
+		echo "cluster.sh: initdb failed in $dir/data" >&2
+		return 1
+	}
+}
+
+# Start the cluster in <dir> on <port> (unix socket only), with extra conf lines.
+cluster_start() {
+	local dir=$1 port=$2 line
+	shift 2
+	[[ -f $dir/data/PG_VERSION ]] || cluster_init "$dir" || return 1
+	{
+		echo "# added by scripts/cluster.sh"
+		echo "port = $port"
+		echo "listen_addresses = ''"
+		echo "unix_socket_directories = '$dir/socket'"
+		echo "fsync = off"
+		for line in "$@"; do
+			echo "$line"
+		done
+	} | as_postgres tee -a "$dir/data/postgresql.conf" >/dev/null
+	echo "$port" >"$dir/port"
+	CLUSTER_STARTED+=("$dir")
+	if ! (cd / && as_postgres "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" \
+		-w -t 60 -s start); then
+		echo "cluster.sh: could not start the cluster in $dir; its log:" >&2
+		cat "$dir/server.log" >&2 || true
+		return 1
+	fi
+}
+
+# Stop the cluster in <dir> (fast shutdown) if its postmaster is running.
+cluster_stop() {
+	local dir=$1
+	[[ -f $dir/data/postmaster.pid ]] || return 0
+	(cd / && as_postgres "$PG_BIN/pg_ctl" -D "$dir/data" -m fast -w -t 60 -s stop) ||
+		(cd / && as_postgres "$PG_BIN/pg_ctl" -D "$dir/data" -m immediate -w -s stop) ||
+		true
+}
+
+# Stop every cluster started by this shell (safe to call more than once).
+cluster_stop_all() {
+	local dir
+	for dir in "${CLUSTER_STARTED[@]}"; do
+		cluster_stop "$dir"
+	done
+}
+
+# Print the port the cluster in <dir> was started on.
+cluster_port() {
+	cat "$1/port"
+}
+
+# Print the unix socket directory of the cluster in <dir>.
+cluster_host() {
+	echo "$1/socket"
+}
+
+# Run psql (no psqlrc, stop on error) as superuser postgres against <dir>.
+cluster_psql() {
+	local dir=$1
+	shift
+	"$PG_BIN/psql" -X -v ON_ERROR_STOP=1 -h "$dir/socket" -p "$(cluster_port "$dir")" \
+		-U postgres -d postgres "$@"
+}
+
+# Create database <db> in the cluster in <dir>, with the given extensions.
+cluster_createdb() {
+	local dir=$1 db=$2 ext
+	shift 2
+	cluster_psql "$dir" -q -c "CREATE DATABASE \"$db\"" || return 1
+	for ext in "$@"; do
+		cluster_psql "$dir" -q -d "$db" -c "CREATE EXTENSION \"$ext\"" || return 1
+	done
+}
+
+# Export the libpq environment (PGHOST PGPORT PGUSER PGDATABASE) for <dir>.
+cluster_env() {
+	local dir=$1 db=${2:-postgres}
+	export PGHOST="$dir/socket"
+	PGPORT="$(cluster_port "$dir")"
+	export PGPORT
+	export PGUSER=postgres
+	export PGDATABASE="$db"
+}

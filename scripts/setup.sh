@@ -1,0 +1,89 @@
+# shellcheck shell=bash
+# scripts/setup.sh: the install step shared by `./run demo` and `./run test`.
+# Source it from bash (after scripts/cluster.sh); it defines functions only.
+#
+# Functions:
+#   setup_require_root                  exit with a message unless we are root
+#   setup_packages [extra-package...]   apt-get install what is missing (no
+#                                       apt at all when dpkg says everything
+#                                       is installed)
+#   setup_copy_tree <src> <dest>        copy the working tree without .git,
+#                                       build products and test output
+#   setup_build_install <dir>           make (with the Makefile's -Werror)
+#                                       and make install in <dir>
+#   setup_make_var <dir> <VAR>          print a variable of <dir>/Makefile
+#                                       (e.g. REGRESS, ISOLATION)
+#
+# Settings (environment): PG_CONFIG (default
+# /usr/lib/postgresql/15/bin/pg_config).
+
+: "${PG_CONFIG:=/usr/lib/postgresql/15/bin/pg_config}"
+
+# Debian packages that building and testing the extension needs.
+SETUP_PACKAGES=(
+	postgresql-15 postgresql-server-dev-15 postgresql-15-pgtap
+	libipc-run-perl build-essential perl
+)
+
+# Stop with a clear message unless we run as root (apt, make install, runuser).
+setup_require_root() {
+	if [[ $(id -u) -ne 0 ]]; then
+		echo "run: must run as root (it installs packages and the extension," \
+			"and starts PostgreSQL as the postgres user)" >&2
+		exit 1
+	fi
+}
+
+# Print the packages among the arguments that dpkg does not list as installed.
+setup_missing_packages() {
+	local pkg
+	for pkg in "$@"; do
+		if [[ $(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null) != installed ]]; then
+			echo "$pkg"
+		fi
+	done
+}
+
+# Install the missing packages non-interactively; skip apt when none is missing.
+setup_packages() {
+	local missing
+	mapfile -t missing < <(setup_missing_packages "${SETUP_PACKAGES[@]}" "$@")
+	if ((${#missing[@]} == 0)); then
+		echo "== packages: all installed"
+		return 0
+	fi
+	echo "== packages: installing ${missing[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update
+	apt-get install -y "${missing[@]}"
+}
+
+# Copy the working tree <src> into <dest>, leaving out .git and build/test output.
+setup_copy_tree() {
+	local src=$1 dest=$2
+	mkdir -p "$dest"
+	tar -C "$src" -cf - \
+		--exclude=./.git --exclude=node_modules --exclude='*.o' --exclude='*.so' \
+		--exclude='*.bc' --exclude=./results --exclude=./output_iso \
+		--exclude=./tmp_check --exclude=./log --exclude=./regression.diffs \
+		--exclude=./regression.out --exclude=./bench/out --exclude=./.build . |
+		tar -C "$dest" -xf -
+}
+
+# Build the extension in <dir> (warnings are errors) and install it.
+setup_build_install() {
+	local dir=$1
+	echo "== build: make PG_CONFIG=$PG_CONFIG (-Werror)"
+	make -C "$dir" --no-print-directory -j "$(nproc)" PG_CONFIG="$PG_CONFIG" || return 1
+	echo "== install: make install"
+	make -C "$dir" --no-print-directory PG_CONFIG="$PG_CONFIG" install || return 1
+}
+
+# Print the value of variable <VAR> as <dir>/Makefile computes it.
+setup_make_var() {
+	local dir=$1 var=$2
+	# shellcheck disable=SC2016 # $(VAR) is make syntax, not the shell's
+	make -s --no-print-directory -C "$dir" -f Makefile \
+		-f <(printf '_print_var:\n\t@echo $(%s)\n' "$var") \
+		PG_CONFIG="$PG_CONFIG" _print_var
+}

@@ -1,0 +1,280 @@
+# shellcheck shell=bash
+# scripts/suites.sh: the test suites behind `./run test`, and their tally.
+# Source it from bash after scripts/cluster.sh and scripts/setup.sh; it
+# defines functions only.
+#
+# Every suite runs in a copy of the tree <src> that the postgres OS user owns,
+# prints all of its runner's output, and records each test as passed or failed:
+# one pg_regress test, one isolation spec, one pgTAP file, one TAP file or one
+# example suite is one test. A test that never ran (build failed, runner died,
+# timeout) counts as failed.
+#
+# Functions:
+#   suite_regress <src> <cluster> <test...>     pg_regress (make installcheck)
+#   suite_isolation <src> <cluster> <spec...>   pg_isolation_regress (ditto)
+#   suite_pgtap <src> <cluster> <file...>       pg_prove, a fresh database each
+#   suite_tap <src> <file...>                   prove, as the postgres user
+#   suite_examples <src> <cluster> <dir...>     examples/*/test.sh or npm test
+#   suite_example_dirs <src>                    print the examples with a test
+#   test_pass <name> / test_fail <name> [why]   record a result
+#   test_summary                                failed names, then the closing
+#                                               line "N passed, N failed"
+#
+# Settings (environment, seconds): SUITE_TIMEOUT (each make installcheck,
+# default 1200), FILE_TIMEOUT (each pgTAP/TAP file or example, default 900).
+
+: "${SUITE_TIMEOUT:=1200}"
+: "${FILE_TIMEOUT:=900}"
+
+TEST_PASSED=()
+TEST_FAILED=()
+SUITE_RUNNABLE=()
+
+# Record test <name> as passed.
+test_pass() {
+	TEST_PASSED+=("$1")
+	echo "-- PASS $1"
+}
+
+# Record test <name> as failed, with an optional reason.
+test_fail() {
+	TEST_FAILED+=("$1${2:+ ($2)}")
+	echo "-- FAIL $1${2:+ ($2)}"
+}
+
+# Print the failed tests, then the closing line; return 1 if anything failed.
+test_summary() {
+	local name
+	echo
+	echo "== summary"
+	for name in "${TEST_FAILED[@]}"; do
+		echo "FAILED: $name"
+	done
+	echo "${#TEST_PASSED[@]} passed, ${#TEST_FAILED[@]} failed"
+	((${#TEST_FAILED[@]} == 0))
+}
+
+# Run a command (as postgres with --as-postgres) with a time limit, showing its
+# output and saving it in <log>.
+suite_run() {
+	local log=$1 secs=$2 rc=0
+	local -a user=()
+	shift 2
+	if [[ $1 == --as-postgres ]]; then
+		user=(as_postgres)
+		shift
+	fi
+	"${user[@]}" timeout -k 30 "$secs" "$@" 2>&1 | tee "$log" || rc=$?
+	if ((rc == 124 || rc == 137)); then
+		echo "-- timed out after ${secs}s: $*" | tee -a "$log"
+	fi
+	return "$rc"
+}
+
+# Environment for commands run as postgres: PATH with PostgreSQL's bin first.
+suite_env() {
+	echo "PATH=$PG_BIN:$PATH"
+	echo "HOME=$(getent passwd "$PG_OS_USER" | cut -d: -f6)"
+	echo "LANG=C.UTF-8"
+	echo "NPM_CONFIG_UPDATE_NOTIFIER=false"
+}
+
+# Record each of <names> from pg_regress output <log>: "ok" passes, else fails.
+suite_tally_pg_regress() {
+	local log=$1 prefix=$2 name
+	shift 2
+	local -A status=()
+	while read -r name st; do
+		status[$name]=$st
+	done < <(awk '/^(test |     )/ {
+			for (i = 2; i < NF; i++) if ($i == "...") { print $(i - 1), $(i + 1); break }
+		}' "$log")
+	for name in "$@"; do
+		case ${status[$name]:-} in
+		ok) test_pass "$prefix/$name" ;;
+		"") test_fail "$prefix/$name" "not run" ;;
+		*) test_fail "$prefix/$name" ;;
+		esac
+	done
+}
+
+# Set SUITE_RUNNABLE to the tests among <names> that have expected/<name>.out
+# (or a _N.out variant) and record the others as failed: pg_regress stops at
+# the first test whose expected output is missing, hiding the rest's results.
+suite_with_expected() {
+	local src=$1 prefix=$2 name
+	shift 2
+	SUITE_RUNNABLE=()
+	for name in "$@"; do
+		if [[ -f $src/expected/$name.out ]] ||
+			compgen -G "$src/expected/${name}_[0-9].out" >/dev/null; then
+			SUITE_RUNNABLE+=("$name")
+		else
+			test_fail "$prefix/$name" "no expected/$name.out"
+		fi
+	done
+}
+
+# make installcheck for one kind of test in <src>, as postgres, against <cluster>.
+suite_installcheck() {
+	local src=$1 cluster=$2 log=$3
+	shift 3
+	local -a env
+	mapfile -t env < <(suite_env)
+	(cd "$src" && suite_run "$log" "$SUITE_TIMEOUT" --as-postgres env "${env[@]}" \
+		PGHOST="$(cluster_host "$cluster")" PGPORT="$(cluster_port "$cluster")" \
+		PGUSER=postgres make --no-print-directory PG_CONFIG="$PG_CONFIG" \
+		TAP_TESTS= PROVE_TESTS= installcheck "$@")
+}
+
+# pg_regress: every sql/*.sql test of the Makefile's REGRESS list.
+suite_regress() {
+	local src=$1 cluster=$2 rc=0
+	shift 2
+	(($#)) || return 0
+	echo
+	echo "== pg_regress: $# tests (make installcheck ISOLATION=)"
+	rm -f "$src/regression.diffs"
+	suite_with_expected "$src" regress "$@"
+	local -a runnable=("${SUITE_RUNNABLE[@]}")
+	if ((${#runnable[@]})); then
+		suite_installcheck "$src" "$cluster" "$src/.regress.log" ISOLATION= \
+			REGRESS="${runnable[*]}" || rc=$?
+		suite_tally_pg_regress "$src/.regress.log" regress "${runnable[@]}"
+	fi
+	if [[ -s $src/regression.diffs ]]; then
+		echo "== regression.diffs"
+		cat "$src/regression.diffs"
+	fi
+	if ((rc != 0)); then
+		echo "-- make installcheck (pg_regress) exited with status $rc"
+	fi
+}
+
+# Isolation: every specs/*.spec of the Makefile's ISOLATION list.
+suite_isolation() {
+	local src=$1 cluster=$2 rc=0
+	shift 2
+	(($#)) || return 0
+	echo
+	echo "== isolation: $# specs (make installcheck REGRESS=)"
+	rm -f "$src/output_iso/regression.diffs"
+	suite_with_expected "$src" isolation "$@"
+	local -a runnable=("${SUITE_RUNNABLE[@]}")
+	if ((${#runnable[@]})); then
+		suite_installcheck "$src" "$cluster" "$src/.isolation.log" REGRESS= \
+			ISOLATION="${runnable[*]}" || rc=$?
+		suite_tally_pg_regress "$src/.isolation.log" isolation "${runnable[@]}"
+	fi
+	if [[ -s $src/output_iso/regression.diffs ]]; then
+		echo "== output_iso/regression.diffs"
+		cat "$src/output_iso/regression.diffs"
+	fi
+	if ((rc != 0)); then
+		echo "-- make installcheck (isolation) exited with status $rc"
+	fi
+}
+
+# pgTAP: each test/*.sql through pg_prove, in a fresh database with the extension.
+suite_pgtap() {
+	local src=$1 cluster=$2 file db n=0
+	shift 2
+	(($#)) || return 0
+	echo
+	echo "== pgTAP: $# files (pg_prove, one fresh database each)"
+	for file in "$@"; do
+		n=$((n + 1))
+		db="pgtap_$n"
+		# pgTAP itself is created for the file unless the file creates it.
+		local -a exts=(idempotency)
+		grep -qiE 'create[[:space:]]+extension.*pgtap' "$src/$file" || exts+=(pgtap)
+		if ! cluster_createdb "$cluster" "$db" "${exts[@]}"; then
+			test_fail "pgtap/$file" "could not create database $db"
+			continue
+		fi
+		if (cd "$src" && suite_run "$src/.pgtap_$n.log" "$FILE_TIMEOUT" \
+			env PATH="$PG_BIN:$PATH" pg_prove --psql-bin "$PG_BIN/psql" \
+			-h "$(cluster_host "$cluster")" -p "$(cluster_port "$cluster")" \
+			-U postgres -d "$db" --failures --comments "$file"); then
+			test_pass "pgtap/$file"
+		else
+			test_fail "pgtap/$file"
+		fi
+	done
+}
+
+# TAP: each t/*.pl through prove, as postgres, with PostgreSQL::Test::* set up.
+suite_tap() {
+	local src=$1 file base pgxs
+	shift
+	(($#)) || return 0
+	pgxs="$("$PG_CONFIG" --pkglibdir)/pgxs"
+	echo
+	echo "== TAP: $# files (prove, as $PG_OS_USER)"
+	rm -rf "$src/tmp_check"
+	local -a env
+	mapfile -t env < <(suite_env)
+	for file in "$@"; do
+		if (cd "$src" && suite_run "$src/.tap.log" "$FILE_TIMEOUT" --as-postgres env "${env[@]}" \
+			PERL5LIB="$pgxs/src/test/perl${PERL5LIB:+:$PERL5LIB}" \
+			TESTDIR="$src" PG_REGRESS="$pgxs/src/test/regress/pg_regress" \
+			prove --failures "$file"); then
+			test_pass "tap/$file"
+		else
+			test_fail "tap/$file"
+			base=$(basename "$file" .pl)
+			if [[ -f $src/tmp_check/log/regress_log_$base ]]; then
+				echo "== last lines of tmp_check/log/regress_log_$base"
+				tail -n 60 "$src/tmp_check/log/regress_log_$base"
+			fi
+		fi
+	done
+}
+
+# Print each examples/<name> (relative to <src>) that has a test entry point.
+suite_example_dirs() {
+	local src=$1 dir
+	for dir in "$src"/examples/*/; do
+		dir=${dir%/}
+		if [[ -x $dir/test.sh ]] ||
+			{ [[ -f $dir/package.json ]] && grep -q '"test"[[:space:]]*:' "$dir/package.json"; }; then
+			echo "examples/${dir##*/}"
+		fi
+	done
+}
+
+# Examples: per example, a fresh database; test.sh, else npm ci + npm test.
+suite_examples() {
+	local src=$1 cluster=$2 ex name db
+	shift 2
+	(($#)) || return 0
+	echo
+	echo "== examples: $# suites"
+	local -a env
+	mapfile -t env < <(suite_env)
+	for ex in "$@"; do
+		name=${ex##*/}
+		db="example_${name//[^A-Za-z0-9_]/_}"
+		echo
+		echo "== $ex (database $db)"
+		if ! cluster_createdb "$cluster" "$db" idempotency; then
+			test_fail "$ex" "could not create database $db"
+			continue
+		fi
+		local -a cmd
+		if [[ -x $src/$ex/test.sh ]]; then
+			cmd=(./test.sh)
+		else
+			cmd=(sh -c 'if [ -f package-lock.json ]; then npm ci --no-audit --no-fund;
+				else npm install --no-audit --no-fund; fi && npm test')
+		fi
+		if (cd "$src/$ex" && suite_run "$src/.example_$name.log" "$FILE_TIMEOUT" \
+			--as-postgres env "${env[@]}" PGHOST="$(cluster_host "$cluster")" \
+			PGPORT="$(cluster_port "$cluster")" PGUSER=postgres PGDATABASE="$db" \
+			"${cmd[@]}"); then
+			test_pass "$ex"
+		else
+			test_fail "$ex"
+		fi
+	done
+}
