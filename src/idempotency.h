@@ -119,9 +119,21 @@ extern void idem_store_finish(const IdemRow *row, IdemStatus status,
 extern void idem_store_extend(const IdemRow *row, TimestampTz lease_until,
 							  TimestampTz expires_at);
 extern void idem_store_delete(const IdemRow *row);
-extern void idem_store_reset(const IdemRow *row);
-extern void idem_store_reschedule(const IdemRow *row, TimestampTz sweep_at);
+extern void idem_store_fetch(ItemPointer tid, text *scope, text *key,
+							 IdemRow *row);
+
+/* What a sweep does to a row. */
+typedef enum IdemSweepWork
+{
+	IDEM_SWEEP_DELETE,			/* retention passed: the key goes */
+	IDEM_SWEEP_RESET,			/* lease ended: the token dies */
+	IDEM_SWEEP_RESCHEDULE		/* found early: move sweep_at forward */
+} IdemSweepWork;
+
+extern void idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids,
+								   int n, TimestampTz now);
 extern int	idem_store_sweep_candidates(TimestampTz now, int limit,
+										ItemPointerData **tids,
 										text ***scopes, text ***keys);
 
 /* ---- wait.c ---- */

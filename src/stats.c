@@ -23,7 +23,9 @@
 #include "storage/ipc.h"
 #include "storage/shmem.h"
 #include "storage/spin.h"
+#include "access/xact.h"
 #include "utils/builtins.h"
+#include "utils/syscache.h"
 #include "utils/timestamp.h"
 
 #include "idempotency.h"
@@ -51,6 +53,8 @@ static StatsShared *stats_shared = NULL;
 /* This backend's entry, found once per database. */
 static StatsEntry *my_entry = NULL;
 static Oid	my_entry_db = InvalidOid;
+
+static void stats_claim_entry(void);
 
 PG_FUNCTION_INFO_V1(idem_stats_counters);
 PG_FUNCTION_INFO_V1(idem_stats_reset);
@@ -87,30 +91,89 @@ idem_stats_shmem_startup(void)
 	}
 }
 
-/* The entry of this database, allocated on first use; NULL if none. */
+/*
+ * Free the entries of databases that no longer exist (needs a transaction
+ * for the catalog lookups; called only when every entry is taken).
+ */
+static void
+stats_forget_dropped(void)
+{
+	Oid			dbids[STATS_MAX_DATABASES];
+
+	for (int i = 0; i < STATS_MAX_DATABASES; i++)
+		dbids[i] = stats_shared->entries[i].dbid;
+	for (int i = 0; i < STATS_MAX_DATABASES; i++)
+	{
+		if (!OidIsValid(dbids[i]) ||
+			SearchSysCacheExists1(DATABASEOID, ObjectIdGetDatum(dbids[i])))
+			continue;
+		SpinLockAcquire(&stats_shared->mutex);
+		if (stats_shared->entries[i].dbid == dbids[i])
+			stats_shared->entries[i].dbid = InvalidOid;
+		SpinLockRelease(&stats_shared->mutex);
+	}
+}
+
+/*
+ * The entry of this database, allocated on first use (with zeroed
+ * counters); NULL without preloading or when all entries are taken by
+ * existing databases.
+ */
 static StatsEntry *
 stats_entry(void)
 {
 	if (stats_shared == NULL || !OidIsValid(MyDatabaseId))
 		return NULL;
-	if (my_entry != NULL && my_entry_db == MyDatabaseId)
+	if (my_entry != NULL && my_entry_db == MyDatabaseId &&
+		my_entry->dbid == MyDatabaseId)
 		return my_entry;
+	my_entry = NULL;
+	my_entry_db = InvalidOid;
 
+	for (int attempt = 0; attempt < 2 && my_entry == NULL; attempt++)
+	{
+		if (attempt == 1)
+		{
+			if (!IsTransactionState())
+				break;
+			stats_forget_dropped();
+		}
+		stats_claim_entry();
+	}
+	return my_entry;
+}
+
+/* Find or take this database's entry (zeroing a newly taken one). */
+static void
+stats_claim_entry(void)
+{
 	SpinLockAcquire(&stats_shared->mutex);
-	for (int i = 0; i < STATS_MAX_DATABASES && my_entry_db != MyDatabaseId;
-		 i++)
+	for (int i = 0; i < STATS_MAX_DATABASES && my_entry == NULL; i++)
 	{
 		StatsEntry *e = &stats_shared->entries[i];
 
-		if (e->dbid == MyDatabaseId || e->dbid == InvalidOid)
+		if (e->dbid == MyDatabaseId)
 		{
+			my_entry = e;
+			my_entry_db = MyDatabaseId;
+		}
+	}
+	for (int i = 0; i < STATS_MAX_DATABASES && my_entry == NULL; i++)
+	{
+		StatsEntry *e = &stats_shared->entries[i];
+
+		if (e->dbid == InvalidOid)
+		{
+			for (int c = 0; c < IDEM_STAT_NCOUNTERS; c++)
+				pg_atomic_write_u64(&e->counters[c], 0);
+			e->last_sweep_at = 0;
+			e->last_sweep_ms = 0;
 			e->dbid = MyDatabaseId;
 			my_entry = e;
 			my_entry_db = MyDatabaseId;
 		}
 	}
 	SpinLockRelease(&stats_shared->mutex);
-	return my_entry_db == MyDatabaseId ? my_entry : NULL;
 }
 
 /* Add n to one counter of this database. */
@@ -149,6 +212,7 @@ idem_stats_counters(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, 0);
 	if (stats_shared == NULL)
 		PG_RETURN_VOID();
+	(void) stats_entry();		/* this database's row, zeroes if new */
 
 	for (int i = 0; i < STATS_MAX_DATABASES; i++)
 	{

@@ -24,6 +24,7 @@
 #include "access/genam.h"
 #include "access/heapam.h"
 #include "access/htup_details.h"
+#include "access/multixact.h"
 #include "access/stratnum.h"
 #include "access/table.h"
 #include "access/tableam.h"
@@ -37,6 +38,8 @@
 #include "miscadmin.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
+#include "storage/procarray.h"
+#include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/datum.h"
 #include "utils/fmgroids.h"
@@ -96,9 +99,10 @@ typedef enum StorePlan
 	PLAN_FINISH,
 	PLAN_EXTEND,
 	PLAN_DELETE,
-	PLAN_RESET,
-	PLAN_RESCHEDULE,
 	PLAN_SWEEP_CANDIDATES,
+	PLAN_SWEEP_DELETE,
+	PLAN_SWEEP_RESET,
+	PLAN_SWEEP_RESCHEDULE,
 	NUM_PLANS
 } StorePlan;
 
@@ -130,7 +134,8 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 	[PLAN_FINISH] = {
 		"UPDATE idempotency.keys SET status = $2, response_code = $3, "
 		"response_body = $4, finished_at = $5, lease_until = NULL, "
-		"expires_at = $6 WHERE ctid OPERATOR(pg_catalog.=) $1",
+		"expires_at = $6, sweep_at = LEAST(sweep_at, $6) "
+		"WHERE ctid OPERATOR(pg_catalog.=) $1",
 		6, {TIDOID, TEXTOID, INT4OID, JSONBOID, TIMESTAMPTZOID,
 		TIMESTAMPTZOID}
 	},
@@ -143,21 +148,29 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 		"DELETE FROM idempotency.keys WHERE ctid OPERATOR(pg_catalog.=) $1",
 		1, {TIDOID}
 	},
-	[PLAN_RESET] = {
-		"UPDATE idempotency.keys SET token = NULL, sweep_at = expires_at "
-		"WHERE ctid OPERATOR(pg_catalog.=) $1",
-		1, {TIDOID}
-	},
-	[PLAN_RESCHEDULE] = {
-		"UPDATE idempotency.keys SET sweep_at = $2 "
-		"WHERE ctid OPERATOR(pg_catalog.=) $1",
-		2, {TIDOID, TIMESTAMPTZOID}
-	},
 	[PLAN_SWEEP_CANDIDATES] = {
-		"SELECT scope, key FROM idempotency.keys "
+		"SELECT ctid, scope, key FROM idempotency.keys "
 		"WHERE sweep_at OPERATOR(pg_catalog.<=) $1 "
 		"ORDER BY sweep_at LIMIT $2",
 		2, {TIMESTAMPTZOID, INT8OID}
+	},
+	[PLAN_SWEEP_DELETE] = {
+		"DELETE FROM idempotency.keys "
+		"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1)",
+		1, {TIDARRAYOID}
+	},
+	[PLAN_SWEEP_RESET] = {
+		"UPDATE idempotency.keys SET token = NULL, sweep_at = expires_at "
+		"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1)",
+		1, {TIDARRAYOID}
+	},
+	[PLAN_SWEEP_RESCHEDULE] = {
+		"UPDATE idempotency.keys SET sweep_at = CASE "
+		"WHEN status OPERATOR(pg_catalog.=) 'pending' AND token IS NOT NULL "
+		"AND lease_until OPERATOR(pg_catalog.>) $2 THEN lease_until "
+		"ELSE expires_at END "
+		"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1)",
+		2, {TIDARRAYOID, TIMESTAMPTZOID}
 	},
 };
 
@@ -264,6 +277,64 @@ store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
 }
 
 /*
+ * Is the tuple row-locked (FOR UPDATE / SHARE, no update) by another
+ * transaction that is still running?  A dirty snapshot shows such a tuple
+ * as plainly visible, but writing it would wait for the locker.
+ */
+static bool
+store_locked_by_other(HeapTupleHeader tup)
+{
+	uint16		infomask = tup->t_infomask;
+	TransactionId xmax;
+
+	if ((infomask & HEAP_XMAX_INVALID) || !HEAP_XMAX_IS_LOCKED_ONLY(infomask))
+		return false;
+	xmax = HeapTupleHeaderGetRawXmax(tup);
+	if (infomask & HEAP_XMAX_IS_MULTI)
+		return MultiXactIdIsRunning((MultiXactId) xmax, true);
+	return !TransactionIdIsCurrentTransactionId(xmax) &&
+		TransactionIdIsInProgress(xmax);
+}
+
+/*
+ * Record the probed tuple version in *row, or mark the row busy when
+ * another running transaction has it row-locked.
+ */
+static void
+store_take_tuple(TupleTableSlot *slot, bool want_body, IdemRow *row)
+{
+	HeapTuple	tuple;
+	bool		should_free;
+
+	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
+	if (store_locked_by_other(tuple->t_data))
+		row->busy = true;
+	else
+	{
+		row->found = true;
+		row->tid = tuple->t_self;
+		row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
+		row->mine = TransactionIdIsCurrentTransactionId(row->xmin);
+		store_read_slot(slot, want_body, row);
+	}
+	if (should_free)
+		heap_freetuple(tuple);
+}
+
+/* Does the row in "slot" hold (scope, key)? */
+static bool
+store_slot_is_key(TupleTableSlot *slot, text *scope, text *key)
+{
+	text	   *s = DatumGetTextPP(slot->tts_values[COL_SCOPE - 1]);
+	text	   *k = DatumGetTextPP(slot->tts_values[COL_KEY - 1]);
+
+	return VARSIZE_ANY_EXHDR(s) == VARSIZE_ANY_EXHDR(scope) &&
+		VARSIZE_ANY_EXHDR(k) == VARSIZE_ANY_EXHDR(key) &&
+		memcmp(VARDATA_ANY(s), VARDATA_ANY(scope), VARSIZE_ANY_EXHDR(s)) == 0 &&
+		memcmp(VARDATA_ANY(k), VARDATA_ANY(key), VARSIZE_ANY_EXHDR(k)) == 0;
+}
+
+/*
  * Read one key through its primary key.
  *
  * IDEM_PROBE_LATEST reads with a dirty snapshot: it sees the newest
@@ -312,28 +383,61 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
 	index_rescan(scan, skey, 2, NULL, 0);
 	while (index_getnext_slot(scan, ForwardScanDirection, slot))
 	{
-		HeapTuple	tuple;
-		bool		should_free;
-
-		if (mode == IDEM_PROBE_LATEST &&
-			(TransactionIdIsValid(dirty.xmin) ||
-			 TransactionIdIsValid(dirty.xmax)))
+		if (mode == IDEM_PROBE_SNAPSHOT)
 		{
-			row->busy = true;
-			continue;
+			HeapTuple	tuple;
+			bool		should_free;
+
+			tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
+			row->found = true;
+			row->tid = tuple->t_self;
+			store_read_slot(slot, want_body, row);
+			if (should_free)
+				heap_freetuple(tuple);
 		}
-		tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
-		row->found = true;
-		row->tid = tuple->t_self;
-		row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
-		row->mine = TransactionIdIsCurrentTransactionId(row->xmin);
-		store_read_slot(slot, want_body, row);
-		if (should_free)
-			heap_freetuple(tuple);
+		else if (TransactionIdIsValid(dirty.xmin) ||
+				 TransactionIdIsValid(dirty.xmax))
+			row->busy = true;
+		else
+			store_take_tuple(slot, want_body, row);
 	}
 	index_endscan(scan);
 	ExecDropSingleTupleTableSlot(slot);
 	index_close(index, NoLock);
+	table_close(heap, NoLock);
+}
+
+/*
+ * Read the row version at "tid" with a dirty snapshot, as a probe would,
+ * but without the index descent (the sweeper got the tid from its query).
+ * found is false when that version is gone (a committed update or delete
+ * replaced it) or holds another key.
+ */
+void
+idem_store_fetch(ItemPointer tid, text *scope, text *key, IdemRow *row)
+{
+	Relation	heap;
+	SnapshotData dirty;
+	TupleTableSlot *slot;
+
+	memset(row, 0, sizeof(IdemRow));
+	store_lookup_rels();
+	heap = table_open(rels.keys, AccessShareLock);
+	InitDirtySnapshot(dirty);
+	slot = table_slot_create(heap, NULL);
+	if (table_tuple_fetch_row_version(heap, tid, &dirty, slot))
+	{
+		if (TransactionIdIsValid(dirty.xmin) ||
+			TransactionIdIsValid(dirty.xmax))
+			row->busy = true;
+		else
+		{
+			store_take_tuple(slot, false, row);
+			if (row->found && !store_slot_is_key(slot, scope, key))
+				row->found = false;
+		}
+	}
+	ExecDropSingleTupleTableSlot(slot);
 	table_close(heap, NoLock);
 }
 
@@ -465,6 +569,22 @@ idem_store_end(void)
 }
 
 /*
+ * A write found fewer rows than it probed under their locks: under
+ * REPEATABLE READ or SERIALIZABLE the statement's snapshot predates a
+ * concurrent change (a serialization failure); otherwise it cannot happen.
+ */
+static void
+store_vanished(void)
+{
+	if (IsolationUsesXactSnapshot())
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("could not serialize access due to concurrent update of an idempotency key"),
+				 errhint("Retry the transaction.")));
+	elog(ERROR, "idempotency key row vanished during a write");
+}
+
+/*
  * Run one prepared write that must touch exactly the probed row.  Zero
  * rows means the row is not visible to this statement's snapshot, which
  * only happens under REPEATABLE READ or SERIALIZABLE after a concurrent
@@ -480,14 +600,7 @@ store_write(StorePlan which, Datum *values, const char *nulls, int ok_rc)
 		elog(ERROR, "idempotency statement failed: %s",
 			 SPI_result_code_string(rc));
 	if (SPI_processed != 1)
-	{
-		if (IsolationUsesXactSnapshot())
-			ereport(ERROR,
-					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-					 errmsg("could not serialize access due to concurrent update of an idempotency key"),
-					 errhint("Retry the transaction.")));
-		elog(ERROR, "idempotency key row vanished during a write");
-	}
+		store_vanished();
 }
 
 /* A bytea Datum of a fingerprint, or NULL. */
@@ -598,29 +711,41 @@ idem_store_delete(const IdemRow *row)
 	store_write(PLAN_DELETE, values, NULL, SPI_OK_DELETE);
 }
 
-/* Kill the token of the probed stale pending row (a sweep reset). */
-void
-idem_store_reset(const IdemRow *row)
-{
-	Datum		values[1];
-
-	values[0] = PointerGetDatum(&row->tid);
-	store_write(PLAN_RESET, values, NULL, SPI_OK_UPDATE);
-}
-
 /*
- * Tell the sweeper when it next has work on the probed row.  Finish and
- * extend leave sweep_at alone, so that they stay HOT updates (no index
- * entry changes); the sweeper moves it forward when it finds the row early.
+ * Apply one kind of sweep work to the rows at "tids" (all locked by the
+ * caller and probed at exactly these versions): delete them, reset them
+ * (their tokens die), or move their sweep_at to when they are due.  One
+ * statement for the whole chunk.
  */
 void
-idem_store_reschedule(const IdemRow *row, TimestampTz sweep_at)
+idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
+					   TimestampTz now)
 {
+	static const StorePlan work_plans[] = {
+		[IDEM_SWEEP_DELETE] = PLAN_SWEEP_DELETE,
+		[IDEM_SWEEP_RESET] = PLAN_SWEEP_RESET,
+		[IDEM_SWEEP_RESCHEDULE] = PLAN_SWEEP_RESCHEDULE,
+	};
+	Datum	   *elems;
 	Datum		values[2];
+	int			rc;
 
-	values[0] = PointerGetDatum(&row->tid);
-	values[1] = TimestampTzGetDatum(sweep_at);
-	store_write(PLAN_RESCHEDULE, values, NULL, SPI_OK_UPDATE);
+	if (n == 0)
+		return;
+	elems = palloc(sizeof(Datum) * n);
+	for (int i = 0; i < n; i++)
+		elems[i] = PointerGetDatum(&tids[i]);
+	values[0] = PointerGetDatum(construct_array(elems, n, TIDOID,
+												sizeof(ItemPointerData),
+												false, TYPALIGN_SHORT));
+	values[1] = TimestampTzGetDatum(now);
+	rc = SPI_execute_plan(store_plan(work_plans[work]), values, NULL,
+						  false, 0);
+	if (rc != (work == IDEM_SWEEP_DELETE ? SPI_OK_DELETE : SPI_OK_UPDATE))
+		elog(ERROR, "idempotency sweep statement failed: %s",
+			 SPI_result_code_string(rc));
+	if (SPI_processed != (uint64) n)
+		store_vanished();
 }
 
 /*
@@ -628,7 +753,8 @@ idem_store_reschedule(const IdemRow *row, TimestampTz sweep_at)
  * copied into the caller's memory context.  Returns how many.
  */
 int
-idem_store_sweep_candidates(TimestampTz now, int limit, text ***scopes,
+idem_store_sweep_candidates(TimestampTz now, int limit,
+							ItemPointerData **tids, text ***scopes,
 							text ***keys)
 {
 	Datum		values[2];
@@ -646,6 +772,7 @@ idem_store_sweep_candidates(TimestampTz now, int limit, text ***scopes,
 
 	n = (int) SPI_processed;
 	old = MemoryContextSwitchTo(caller_cxt);
+	*tids = palloc(sizeof(ItemPointerData) * Max(n, 1));
 	*scopes = palloc(sizeof(text *) * Max(n, 1));
 	*keys = palloc(sizeof(text *) * Max(n, 1));
 	for (int i = 0; i < n; i++)
@@ -654,8 +781,10 @@ idem_store_sweep_candidates(TimestampTz now, int limit, text ***scopes,
 		TupleDesc	desc = SPI_tuptable->tupdesc;
 		bool		isnull;
 
-		(*scopes)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 1, &isnull));
-		(*keys)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 2, &isnull));
+		ItemPointerCopy((ItemPointer) DatumGetPointer(SPI_getbinval(tup, desc, 1, &isnull)),
+						&(*tids)[i]);
+		(*scopes)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 2, &isnull));
+		(*keys)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 3, &isnull));
 	}
 	MemoryContextSwitchTo(old);
 	return n;

@@ -21,52 +21,78 @@
 
 #include "idempotency.h"
 
+/* Candidate fetches per call: bounds one call's work and transaction. */
+#define SWEEP_MAX_FETCHES	16
+/* Keys locked and written together (advisory locks held at once). */
+#define SWEEP_CHUNK			128
+
 /*
- * Sweep one candidate key under its lock.  Returns false when the key was
- * skipped (its lock is taken, another transaction is changing it, or our
- * own open transaction is claiming it).
+ * Sweep up to "n" candidate keys (n <= SWEEP_CHUNK) as one chunk: take each
+ * key's lock without waiting, re-read its row version under the lock, sort
+ * the keys into delete / reset / reschedule, apply each kind with one
+ * statement, then release the locks.  Keys whose lock is taken, that
+ * another transaction is changing, that our own open transaction is
+ * claiming, or whose row changed since the candidate query are skipped.
+ * Never does more than "batch" of each kind in total.  Returns how many
+ * rows it changed.
  */
-static bool
-sweep_one(text *scope, text *key, TimestampTz now, int64 *expired,
-		  int64 *reset)
+static int
+sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
+			TimestampTz now, int batch, int64 *expired, int64 *reset)
 {
-	uint64		hash = idem_key_hash(scope, key);
-	IdemRow		row;
-	bool		live_lease;
-	bool		done = false;
+	uint64		locked[SWEEP_CHUNK];
+	ItemPointerData work[3][SWEEP_CHUNK];
+	int			nwork[3] = {0, 0, 0};
+	int			nlocked = 0;
 
-	if (!idem_store_lock(hash, false))
-		return false;			/* someone is in its critical section */
-
-	idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, &row);
-	if (row.found && !row.busy && !(row.mine && row.status == IDEM_PENDING))
+	for (int i = 0; i < n; i++)
 	{
+		uint64		hash = idem_key_hash(scopes[i], keys[i]);
+		IdemRow		row;
+		bool		live_lease;
+		IdemSweepWork kind;
+
+		if (!idem_store_lock(hash, false))
+			continue;			/* someone is in its critical section */
+		locked[nlocked++] = hash;
+
+		idem_store_fetch(&tids[i], scopes[i], keys[i], &row);
+		if (!row.found || row.busy ||
+			(row.mine && row.status == IDEM_PENDING))
+			continue;
 		idem_store_check_snapshot(&row);
+
 		live_lease = row.status == IDEM_PENDING && row.has_token &&
 			row.lease_until > now;
-
 		if (row.expires_at <= now && !live_lease)
 		{
-			idem_store_delete(&row);
-			(*expired)++;
+			if (*expired + nwork[IDEM_SWEEP_DELETE] >= batch)
+				continue;
+			kind = IDEM_SWEEP_DELETE;
 		}
 		else if (row.status == IDEM_PENDING && row.has_token && !live_lease)
 		{
-			idem_store_reset(&row);
-			(*reset)++;
+			if (*reset + nwork[IDEM_SWEEP_RESET] >= batch)
+				continue;
+			kind = IDEM_SWEEP_RESET;
 		}
 		else
-			idem_store_reschedule(&row, live_lease ? row.lease_until :
-								  row.expires_at);
-		idem_wait_touched(hash);
-		done = true;
+			kind = IDEM_SWEEP_RESCHEDULE;
+		work[kind][nwork[kind]++] = row.tid;
+		if (kind != IDEM_SWEEP_RESCHEDULE)
+			idem_wait_touched(hash);
 	}
-	idem_store_unlock(hash);
-	return done;
-}
 
-/* Candidate fetches per call: bounds one call's work and transaction. */
-#define SWEEP_MAX_FETCHES	16
+	for (int kind = 0; kind < 3; kind++)
+		idem_store_sweep_apply((IdemSweepWork) kind, work[kind], nwork[kind],
+							   now);
+	for (int i = 0; i < nlocked; i++)
+		idem_store_unlock(locked[i]);
+
+	*expired += nwork[IDEM_SWEEP_DELETE];
+	*reset += nwork[IDEM_SWEEP_RESET];
+	return nwork[0] + nwork[1] + nwork[2];
+}
 
 /*
  * Sweep at most "batch" keys of each kind (expired, reset) in the current
@@ -87,17 +113,18 @@ idem_sweep_batch_run(int batch, int64 *expired, int64 *reset)
 	idem_store_begin();
 	for (int fetch = 0; fetch < SWEEP_MAX_FETCHES; fetch++)
 	{
+		ItemPointerData *tids;
 		text	  **scopes;
 		text	  **keys;
 		int			n;
 		int			progress = 0;
 
-		n = idem_store_sweep_candidates(now, limit, &scopes, &keys);
-		for (int i = 0; i < n && *expired < batch && *reset < batch; i++)
-		{
-			if (sweep_one(scopes[i], keys[i], now, expired, reset))
-				progress++;
-		}
+		n = idem_store_sweep_candidates(now, limit, &tids, &scopes, &keys);
+		for (int i = 0; i < n && *expired < batch && *reset < batch;
+			 i += SWEEP_CHUNK)
+			progress += sweep_chunk(&tids[i], &scopes[i], &keys[i],
+									Min(SWEEP_CHUNK, n - i), now, batch,
+									expired, reset);
 		more = (n == limit && progress > 0);
 		if (!more || *expired >= batch || *reset >= batch)
 			break;

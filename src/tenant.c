@@ -7,9 +7,9 @@
  * (idempotency.scope_bindings) and the backend-local cache of that table.
  * The role checked is the current user at the moment of the call: the
  * client functions are not SECURITY DEFINER, so that is the role that
- * called them.  The cache is reloaded after any change to the table: its
- * statement trigger sends a relcache invalidation that every backend
- * receives.  With no bindings at all the check costs a cached boolean.
+ * called them.  The cache is reloaded, with the latest snapshot, after any
+ * change to the table: its statement trigger sends a relcache invalidation
+ * that every backend receives.  With no bindings at all the check costs a cached boolean.
  * Must not touch idempotency.keys.
  *
  *-------------------------------------------------------------------------
@@ -19,7 +19,8 @@
 #include "access/table.h"
 #include "catalog/namespace.h"
 #include "commands/trigger.h"
-#include "executor/spi.h"
+#include "access/tableam.h"
+#include "executor/tuptable.h"
 #include "fmgr.h"
 #include "miscadmin.h"
 #include "utils/acl.h"
@@ -28,6 +29,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
+#include "utils/snapmgr.h"
 
 #include "idempotency.h"
 
@@ -55,25 +57,22 @@ tenant_relcache_callback(Datum arg, Oid relid)
 		cache_valid = false;
 }
 
-/* The owner of the bindings table. */
-static Oid
-tenant_owner(void)
-{
-	Relation	rel = table_open(bindings_relid, AccessShareLock);
-	Oid			owner = rel->rd_rel->relowner;
-
-	table_close(rel, NoLock);
-	return owner;
-}
-
-/* Load every binding, as the table's owner (callers have no privilege). */
+/*
+ * Load every binding.  Reads the table directly with the latest snapshot,
+ * as PostgreSQL's own caches read catalogs: the transaction's snapshot
+ * (REPEATABLE READ) could predate the change whose invalidation made us
+ * reload, and we would keep the stale list.  The cache is marked valid
+ * before reading, so an invalidation that arrives meanwhile wins.
+ */
 static void
 tenant_load(void)
 {
 	Oid			nsp;
-	Oid			save_userid;
-	int			save_sec;
-	int			rc;
+	Relation	rel;
+	TableScanDesc scan;
+	TupleTableSlot *slot;
+	Snapshot	snapshot;
+	int			allocated = 0;
 
 	if (!callback_registered)
 	{
@@ -87,51 +86,46 @@ tenant_load(void)
 	MemoryContextReset(cache_cxt);
 	bindings = NULL;
 	nbindings = 0;
+	cache_valid = true;
 
 	nsp = get_namespace_oid("idempotency", true);
 	bindings_relid = OidIsValid(nsp) ?
 		get_relname_relid("scope_bindings", nsp) : InvalidOid;
 	if (!OidIsValid(bindings_relid))
-	{
-		cache_valid = true;
 		return;
-	}
 
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	GetUserIdAndSecContext(&save_userid, &save_sec);
-	SetUserIdAndSecContext(tenant_owner(),
-						   save_sec | SECURITY_LOCAL_USERID_CHANGE |
-						   SECURITY_RESTRICTED_OPERATION);
-	rc = SPI_execute("SELECT role::pg_catalog.oid, scope_prefix "
-					 "FROM idempotency.scope_bindings", true, 0);
-	SetUserIdAndSecContext(save_userid, save_sec);
-	if (rc != SPI_OK_SELECT)
-		elog(ERROR, "could not read idempotency.scope_bindings: %s",
-			 SPI_result_code_string(rc));
-
-	if (SPI_processed > 0)
+	rel = table_open(bindings_relid, AccessShareLock);
+	if (RelationGetNumberOfAttributes(rel) != 2)
+		elog(ERROR, "table \"idempotency.scope_bindings\" has %d columns, expected 2",
+			 RelationGetNumberOfAttributes(rel));
+	snapshot = RegisterSnapshot(GetLatestSnapshot());
+	slot = table_slot_create(rel, NULL);
+	scan = table_beginscan(rel, snapshot, 0, NULL);
+	while (table_scan_getnextslot(scan, ForwardScanDirection, slot))
 	{
-		bindings = MemoryContextAlloc(cache_cxt,
-									  sizeof(Binding) * SPI_processed);
-		for (uint64 i = 0; i < SPI_processed; i++)
-		{
-			HeapTuple	tup = SPI_tuptable->vals[i];
-			TupleDesc	desc = SPI_tuptable->tupdesc;
-			bool		isnull;
-			char	   *prefix;
+		bool		isnull;
+		Datum		role = slot_getattr(slot, 1, &isnull);
+		Datum		prefix = slot_getattr(slot, 2, &isnull);
+		char	   *p;
 
-			bindings[i].role = DatumGetObjectId(SPI_getbinval(tup, desc, 1,
-															  &isnull));
-			prefix = TextDatumGetCString(SPI_getbinval(tup, desc, 2,
-													   &isnull));
-			bindings[i].prefix = MemoryContextStrdup(cache_cxt, prefix);
-			bindings[i].prefix_len = strlen(prefix);
+		if (nbindings == allocated)
+		{
+			allocated = Max(8, allocated * 2);
+			bindings = bindings == NULL ?
+				MemoryContextAlloc(cache_cxt, sizeof(Binding) * allocated) :
+				repalloc(bindings, sizeof(Binding) * allocated);
 		}
-		nbindings = (int) SPI_processed;
+		p = TextDatumGetCString(prefix);
+		bindings[nbindings].role = DatumGetObjectId(role);
+		bindings[nbindings].prefix = MemoryContextStrdup(cache_cxt, p);
+		bindings[nbindings].prefix_len = strlen(p);
+		nbindings++;
+		pfree(p);
 	}
-	SPI_finish();
-	cache_valid = true;
+	table_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	UnregisterSnapshot(snapshot);
+	table_close(rel, AccessShareLock);
 }
 
 /*

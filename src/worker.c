@@ -52,6 +52,7 @@
 #include "utils/guc.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
+#include "utils/syscache.h"
 #include "utils/timestamp.h"
 
 #include "idempotency.h"
@@ -267,7 +268,14 @@ idem_sweeper_main(Datum arg)
 		edata = CopyErrorData();
 		FlushErrorState();
 		AbortCurrentTransaction();
-		worker_report(VISIT_FAILED, edata->message);
+
+		/* A DROP EXTENSION that raced with the sweep is no failure. */
+		StartTransactionCommand();
+		if (sweeper_extension_installed())
+			worker_report(VISIT_FAILED, edata->message);
+		else
+			worker_report(VISIT_NO_EXTENSION, NULL);
+		CommitTransactionCommand();
 	}
 	PG_END_TRY();
 
@@ -329,6 +337,30 @@ launcher_databases(void)
 	return dbs;
 }
 
+/*
+ * Does the database still exist and accept connections?  A database can be
+ * dropped between the launcher's listing and its visit.
+ */
+static bool
+launcher_database_ok(Oid dbid)
+{
+	HeapTuple	tup;
+	bool		ok = false;
+
+	StartTransactionCommand();
+	tup = SearchSysCache1(DATABASEOID, ObjectIdGetDatum(dbid));
+	if (HeapTupleIsValid(tup))
+	{
+		Form_pg_database db = (Form_pg_database) GETSTRUCT(tup);
+
+		ok = db->datallowconn && !db->datistemplate &&
+			db->datconnlimit != -2;
+		ReleaseSysCache(tup);
+	}
+	CommitTransactionCommand();
+	return ok;
+}
+
 /* The launcher's memory of a database, created on first use. */
 static DbTrack *
 launcher_track(Oid dbid)
@@ -361,6 +393,8 @@ launcher_visit(DbEntry *db)
 
 	if (track->next_try > now)
 		return false;			/* backing off after failures */
+	if (!launcher_database_ok(db->oid))
+		return false;			/* dropped since the listing */
 
 	memset(&worker, 0, sizeof(worker));
 	worker.bgw_flags = BGWORKER_SHMEM_ACCESS |
@@ -403,6 +437,9 @@ launcher_visit(DbEntry *db)
 	strlcpy(message, worker_shared->message, sizeof(message));
 	SpinLockRelease(&worker_shared->mutex);
 
+	if ((result == VISIT_NONE || result == VISIT_FAILED) &&
+		!launcher_database_ok(db->oid))
+		return false;			/* dropped during the visit: no failure */
 	if (result == VISIT_NONE || result == VISIT_FAILED)
 	{
 		int64		backoff;
