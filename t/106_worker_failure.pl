@@ -1,0 +1,182 @@
+
+# Copyright: the idempotency extension authors.
+#
+# 106_worker_failure.pl: a database whose sweep keeps failing.
+#  - fail1: a BEFORE DELETE trigger on idempotency.keys raises (an audit
+#    trigger whose log is full), so every sweep there fails;
+#  - fail2: the table was renamed, so the sweeper finds the extension's
+#    table missing.
+# The launcher logs each failure once per database and cause (not once per
+# attempt, although it tries again several times), backs off (it visits the
+# failing database far less often than a healthy one), keeps sweeping the
+# healthy database meanwhile, and sweeps the failing ones again once the
+# cause is gone (logging that once).  The launcher process never changes.
+#
+# Run it like the other TAP tests (see the top of t/001_restart.pl).
+
+use strict;
+use warnings FATAL => 'all';
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $node = PostgreSQL::Test::Cluster->new('failure', port => 55449);
+$node->init;
+$node->append_conf('postgresql.conf', <<'EOF');
+shared_preload_libraries = 'idempotency'
+idempotency.sweep_interval = '200ms'
+EOF
+$node->start;
+
+sub sql
+{
+	my ($db, $sql) = @_;
+	return $node->safe_psql($db, $sql);
+}
+
+sub launcher_pid
+{
+	return sql('postgres',
+		"SELECT pid FROM pg_stat_activity "
+		  . "WHERE backend_type = 'idempotency launcher'");
+}
+
+# $n keys in $db that are past retention a second from now.
+sub expiring
+{
+	my ($db, $prefix, $n) = @_;
+	return sql($db,
+		    "SELECT count(*) FROM ("
+		  . "SELECT idempotency.idem_finish('$prefix-' || i, c.token, 200) "
+		  . "FROM generate_series(1, $n) AS i, "
+		  . "LATERAL idempotency.idem_claim('$prefix-' || i, lease => '1 second', "
+		  . "retention => '1 second') AS c) AS f");
+}
+
+sub stat_of
+{
+	my ($db, $col) = @_;
+	return sql('postgres',
+		"SELECT $col FROM pg_stat_database WHERE datname = '$db'");
+}
+
+# The launcher's lines about database $db.
+sub log_lines
+{
+	my ($db) = @_;
+	return grep { /idempotency sweep of database "$db"/ }
+	  split /\n/, slurp_file($node->logfile);
+}
+
+for my $db (qw(healthy fail1 fail2))
+{
+	sql('postgres', "CREATE DATABASE $db");
+	sql($db, 'CREATE EXTENSION idempotency');
+}
+my $pid = launcher_pid();
+
+# fail1: an audit trigger that fails on every delete.
+sql('fail1', <<'EOF');
+CREATE FUNCTION public.audit_key_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	RAISE EXCEPTION 'audit log is full';
+END $$;
+CREATE TRIGGER audit_key_delete BEFORE DELETE ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION public.audit_key_delete();
+EOF
+is(expiring('fail1', 'k', 3), '3', 'fail1: 3 keys past retention soon');
+
+# fail2: the table renamed away (by a superuser).
+is(expiring('fail2', 'k', 3), '3', 'fail2: 3 keys past retention soon');
+sql('fail2', 'ALTER TABLE idempotency.keys RENAME TO keys_old');
+
+# Each failed visit rolls back one transaction in its database (nobody
+# else uses fail1 and fail2 while we wait).
+my %rb = map { $_ => stat_of($_, 'xact_rollback') } qw(fail1 fail2);
+my $healthy_commits = stat_of('healthy', 'xact_commit');
+for my $db (qw(fail1 fail2))
+{
+	ok( $node->poll_query_until(
+			'postgres',
+			"SELECT xact_rollback >= $rb{$db} + 3 FROM pg_stat_database "
+			  . "WHERE datname = '$db'"),
+		"$db: the worker tried (and failed) at least three times");
+}
+
+# Backing off: meanwhile the healthy database was visited far more often.
+my $healthy_visits = stat_of('healthy', 'xact_commit') - $healthy_commits;
+my $fail1_visits = stat_of('fail1', 'xact_rollback') - $rb{fail1};
+cmp_ok($healthy_visits, '>', 3 * $fail1_visits,
+	"the failing database is visited less often ($fail1_visits failed visits "
+	  . "against $healthy_visits commits in the healthy one)");
+
+# Logged once per database and cause.
+my @l1 = log_lines('fail1');
+is(scalar(@l1), 1, 'fail1: exactly one log line for its failure');
+like($l1[0] // '', qr/idempotency sweep of database "fail1" failed: audit log is full/,
+	'fail1: the line gives the cause');
+my @l2 = log_lines('fail2');
+is(scalar(@l2), 1, 'fail2: exactly one log line for its failure');
+like($l2[0] // '',
+	qr/idempotency sweep of database "fail2" failed: .*(not installed|does not exist)/,
+	'fail2: the line says the table is missing');
+is(scalar(log_lines('healthy')), 0, 'healthy: nothing logged');
+is( sql('fail1', "SELECT count(*) FROM idempotency.keys"),
+	'3', 'fail1: the failed sweeps left every key in place');
+
+# One database cannot stop the others: healthy is swept all along.
+is(expiring('healthy', 'k', 3), '3', 'healthy: 3 keys past retention soon');
+ok( $node->poll_query_until(
+		'healthy', "SELECT count(*) = 0 FROM idempotency.keys"),
+	'healthy: swept while the other two fail');
+
+# --- The causes go away: sweeping resumes ---
+
+sql('fail1', 'DROP TRIGGER audit_key_delete ON idempotency.keys');
+sql('fail2', 'ALTER TABLE idempotency.keys_old RENAME TO keys');
+for my $db (qw(fail1 fail2))
+{
+	ok( $node->poll_query_until(
+			$db, "SELECT count(*) = 0 FROM idempotency.keys"),
+		"$db: swept once the cause is gone");
+	is( sql($db,
+			"SELECT expired, last_sweep_at IS NOT NULL FROM idempotency.stats "
+			  . "WHERE database = current_database()"),
+		'3|t', "$db: the stats count its 3 expired keys");
+}
+for my $db (qw(fail1 fail2))
+{
+	$node->wait_for_log(qr/idempotency sweep of database "$db" works again/);
+	my @lines = log_lines($db);
+	is(scalar(@lines), 2, "$db: one failure line and one 'works again' line");
+}
+
+# After recovery the database is swept at the normal pace again.
+is(expiring('fail1', 'again', 2), '2', 'fail1: 2 more keys past retention soon');
+ok( $node->poll_query_until(
+		'fail1', "SELECT count(*) = 0 FROM idempotency.keys"),
+	'fail1: swept again');
+
+# The same failure again later is logged again (once): the cause had gone.
+sql('fail1', <<'EOF');
+CREATE TRIGGER audit_key_delete BEFORE DELETE ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION public.audit_key_delete();
+EOF
+my $rb1 = stat_of('fail1', 'xact_rollback');
+is(expiring('fail1', 'third', 2), '2', 'fail1: 2 more keys, the trigger back');
+ok( $node->poll_query_until(
+		'postgres',
+		"SELECT xact_rollback >= $rb1 + 2 FROM pg_stat_database "
+		  . "WHERE datname = 'fail1'"),
+	'fail1: failing again, twice');
+is(scalar(grep { /failed: audit log is full/ } log_lines('fail1')),
+	2, 'fail1: the recurring failure is logged once more, not per attempt');
+
+is(launcher_pid(), $pid, 'the same launcher process ran all along');
+is( scalar(grep { /background worker "idempotency launcher"/ }
+		  split /\n/, slurp_file($node->logfile)),
+	0, 'the launcher never exited');
+
+$node->stop;
+done_testing();
