@@ -42,11 +42,12 @@ with an external broker.  A crash between commit and ack just means one more
 delivery, which answers `replay` and is acknowledged.
 
 Usage: PGDATABASE=... ./consumer.py --name A [--mode tx|lease] [--once]
-       [--exit-when-empty] [--visibility 30] [--lease '30 seconds']
+       [--exit-when-empty] [--visibility 30] [--lease '30 seconds'] [--exit-with-parent]
 """
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -86,10 +87,19 @@ class Consumer:
         self.lease = lease
         self.retry_delay = retry_delay
         self.stopping = False
+        self.parent = None              # set by --exit-with-parent
         # The queue connection stands in for a broker; the database connection
         # does the idempotent work.  Both autocommit: every transaction is explicit.
         self.queue = psycopg.connect(autocommit=True)
         self.db = psycopg.connect(autocommit=True)
+
+    def sleep(self, seconds):
+        """time.sleep, but exit at once if our parent is gone (--exit-with-parent)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.parent is not None and os.getppid() != self.parent:
+                sys.exit('consumer: parent process gone, exiting')
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def say(self, text):
         print(f'{self.name}: {text}', flush=True)
@@ -155,7 +165,7 @@ class Consumer:
         p = d.payload
         if p.get('slow_first') and starts == 1:
             self.say(f'SLOW {d.message_id}')     # the test kills us here
-            time.sleep(120)
+            self.sleep(120)
         if starts <= p.get('transient_failures', 0):
             raise RetryableError('the account service is unavailable')
         if not isinstance(p.get('account'), str) or not p['account']:
@@ -277,7 +287,7 @@ class Consumer:
             if d is None:
                 if exit_when_empty and self.queue_is_empty():
                     break
-                time.sleep(0.05)
+                self.sleep(0.05)
                 continue
             try:
                 handle(d)
@@ -302,9 +312,13 @@ def main():
     ap.add_argument('--once', action='store_true', help='handle one delivery, then exit')
     ap.add_argument('--exit-when-empty', action='store_true',
                     help='exit once the queue holds no message at all')
+    ap.add_argument('--exit-with-parent', action='store_true',
+                    help='exit when the parent process is gone (test harnesses)')
     args = ap.parse_args()
 
     consumer = Consumer(args.name, args.mode, args.visibility, args.lease, args.retry_delay)
+    if args.exit_with_parent:
+        consumer.parent = os.getppid()
 
     def stop(signum, frame):
         consumer.stopping = True     # finish the current message, then exit

@@ -46,7 +46,7 @@ class Proc:
         self.name = name
         self.popen = subprocess.Popen(
             [sys.executable, CONSUMER, '--name', name, '--mode', mode,
-             '--visibility', VISIBILITY, '--lease', LEASE, *extra],
+             '--visibility', VISIBILITY, '--lease', LEASE, '--exit-with-parent', *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines = queuelib.Queue()
         self.output = []

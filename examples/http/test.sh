@@ -22,4 +22,4 @@ psql -X -q -v ON_ERROR_STOP=1 -d "$ADMIN_DB" \
 	-c "CREATE DATABASE $DB"
 PGDATABASE=$DB psql -X -q -v ON_ERROR_STOP=1 -f schema.sql
 
-PGDATABASE=$DB exec node --test --test-concurrency=1 test/*.test.js
+PGDATABASE=$DB exec node --test --test-concurrency=1 --test-timeout=60000 test/*.test.js

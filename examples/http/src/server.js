@@ -7,7 +7,8 @@
  * Settings (environment): PORT (default 3000; 0 picks a free port),
  * DOWNSTREAM_URL, IDEM_LEASE_MS (default 30000), IDEM_RETENTION (a PostgreSQL
  * interval; default: the server's idempotency.retention), POOL_SIZE (default 10),
- * EXAMPLE_FAULTS=1 (honour X-Simulate-Failure; tests only).  The connection
+ * EXAMPLE_FAULTS=1 (honour X-Simulate-Failure; tests only), EXIT_WITH_STDIN=1
+ * (exit when stdin closes: the test harness's way to never leave orphans).  The connection
  * comes from the usual libpq variables: PGHOST, PGPORT, PGUSER, PGDATABASE,
  * PGPASSWORD, PGOPTIONS.
  */
@@ -36,3 +37,9 @@ function shutdown() {
 }
 process.on('SIGTERM', shutdown);
 process.on('SIGINT', shutdown);
+
+/* under a test harness: exit when the parent goes away (its end of stdin closes) */
+if (process.env.EXIT_WITH_STDIN === '1') {
+	process.stdin.on('end', () => process.exit(1));
+	process.stdin.resume();
+}

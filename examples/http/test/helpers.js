@@ -29,9 +29,10 @@ function startService(downstreamUrl, extraEnv = {}) {
 			IDEM_LEASE_MS: String(LEASE_MS),
 			EXAMPLE_FAULTS: '1',
 			PGOPTIONS: APP_ROLE_OPTIONS,
+			EXIT_WITH_STDIN: '1',     /* dies with the test process, whatever kills it */
 			...extraEnv,
 		},
-		stdio: ['ignore', 'pipe', 'pipe'],
+		stdio: ['pipe', 'pipe', 'pipe'],
 	});
 	let stderr = '';
 	child.stderr.on('data', (d) => { stderr += d; });
