@@ -22,7 +22,7 @@
 # Debian packages that building and testing the extension needs.
 SETUP_PACKAGES=(
 	postgresql-15 postgresql-server-dev-15 postgresql-15-pgtap
-	libipc-run-perl build-essential perl
+	libtap-parser-sourcehandler-pgtap-perl libipc-run-perl build-essential perl
 )
 
 # Stop with a clear message unless we run as root (apt, make install, runuser).
@@ -74,9 +74,9 @@ setup_copy_tree() {
 setup_build_install() {
 	local dir=$1
 	echo "== build: make PG_CONFIG=$PG_CONFIG (-Werror)"
-	make -C "$dir" --no-print-directory -j "$(nproc)" PG_CONFIG="$PG_CONFIG" || return 1
+	make -s -C "$dir" --no-print-directory -j "$(nproc)" PG_CONFIG="$PG_CONFIG" || return 1
 	echo "== install: make install"
-	make -C "$dir" --no-print-directory PG_CONFIG="$PG_CONFIG" install || return 1
+	make -s -C "$dir" --no-print-directory PG_CONFIG="$PG_CONFIG" install || return 1
 }
 
 # Print the value of variable <VAR> as <dir>/Makefile computes it.
