@@ -278,6 +278,22 @@ seconds_until(TimestampTz until, TimestampTz now)
 	return (int32) s;
 }
 
+/*
+ * Set up the one-row result of a set-returning function.  The executor
+ * already built the row type from the OUT parameters; reusing it saves
+ * building it again from pg_proc on every call.
+ */
+static void
+result_init(FunctionCallInfo fcinfo)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+
+	InitMaterializedSRF(fcinfo,
+						rsinfo != NULL && IsA(rsinfo, ReturnSetInfo) &&
+						rsinfo->expectedDesc != NULL ?
+						MAT_SRF_USE_EXPECTED_DESC : 0);
+}
+
 /* ---------------------------------------------------------------------
  * idem_claim
  * ---------------------------------------------------------------------
@@ -292,6 +308,21 @@ fingerprint_matches(const ClaimArgs *args, const IdemRow *row)
 	return !args->has_fingerprint ||
 		memcmp(args->fingerprint, row->fingerprint,
 			   IDEM_FINGERPRINT_LEN) == 0;
+}
+
+/*
+ * A claim that must write a row another transaction holds a row lock on
+ * would wait for it: answer in_progress instead.
+ */
+static ClaimAction
+claim_write_action(const IdemRow *row, ClaimAction action, ClaimResult *res)
+{
+	if (!row->locked)
+		return action;
+	res->outcome = OUTCOME_IN_PROGRESS;
+	res->retry_after = 1;
+	res->busy = true;
+	return ACTION_ANSWER;
 }
 
 /*
@@ -312,7 +343,7 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 		return ACTION_ANSWER;
 	}
 	if (!row->found || row->expires_at <= now)
-		return ACTION_FRESH;
+		return claim_write_action(row, ACTION_FRESH, res);
 	if (!fingerprint_matches(args, row))
 	{
 		res->outcome = OUTCOME_MISMATCH;
@@ -335,7 +366,7 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 		res->lease_until = row->lease_until;
 		return ACTION_ANSWER;
 	}
-	return ACTION_TAKEOVER;
+	return claim_write_action(row, ACTION_TAKEOVER, res);
 }
 
 /*
@@ -518,7 +549,7 @@ idem_claim(PG_FUNCTION_ARGS)
 		idem_fingerprint(PG_GETARG_DATUM(1), args.fingerprint);
 	args.hash = idem_key_hash(args.scope, args.key);
 
-	InitMaterializedSRF(fcinfo, 0);
+	result_init(fcinfo);
 	claim_with_wait(&args, wait_us, &res);
 	claim_count(&res);
 
@@ -583,7 +614,7 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 	(void) idem_store_lock(hash, true);
 	idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, row);
 
-	if (row->busy)
+	if (row->busy || row->locked)
 		ereport(ERROR,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 				 errmsg("could not %s idempotency key %s", call_names[call],
@@ -757,7 +788,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 	bool		nulls[7] = {0};
 
 	idem_tenant_check(scope);
-	InitMaterializedSRF(fcinfo, 0);
+	result_init(fcinfo);
 	idem_store_probe(scope, key, IDEM_PROBE_SNAPSHOT, true, &row);
 	if (!row.found || row.expires_at <= GetCurrentTimestamp())
 		PG_RETURN_VOID();
@@ -799,7 +830,7 @@ idem_sweep(PG_FUNCTION_ARGS)
 	}
 	PreventCommandDuringRecovery("idem_sweep()");
 
-	InitMaterializedSRF(fcinfo, 0);
+	result_init(fcinfo);
 	start = GetCurrentTimestamp();
 	idem_sweep_batch_run(batch, &expired, &reset);
 	idem_stats_sweep_done(GetCurrentTimestamp(),

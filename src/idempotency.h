@@ -58,13 +58,16 @@ extern uint64 idem_key_hash(text *scope, text *key);
  * One key as the store last saw it.  "found" is false when no committed
  * row exists; "busy" is true when another transaction is inserting,
  * updating or deleting the row right now (its outcome is unknown, so
- * nobody may answer from it).  "mine" is set when the current row was
- * written by the caller's own open transaction.
+ * nobody may answer from it).  "locked" is set when another running
+ * transaction holds a row lock (FOR UPDATE / SHARE) on it: readers may
+ * answer from it, but a write would wait.  "mine" is set when the current
+ * row was written by the caller's own open transaction.
  */
 typedef struct IdemRow
 {
 	bool		found;
 	bool		busy;
+	bool		locked;			/* row-locked by another running transaction */
 	bool		mine;
 	ItemPointerData tid;
 	TransactionId xmin;

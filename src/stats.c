@@ -10,7 +10,9 @@
  * key counts of the view come from the table, in SQL.  Counters live since
  * server start and only exist when the library is preloaded; without it,
  * counting is a no-op and the reader returns no rows (the view shows
- * NULLs).  Counters are atomics, so counting never takes a lock.
+ * NULLs).  Counters are atomics, so counting never takes a lock.  A
+ * database takes an entry at its first event or read (with zeroes); when
+ * all entries are taken, those of dropped databases are given back.
  *
  *-------------------------------------------------------------------------
  */

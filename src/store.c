@@ -296,10 +296,7 @@ store_locked_by_other(HeapTupleHeader tup)
 		TransactionIdIsInProgress(xmax);
 }
 
-/*
- * Record the probed tuple version in *row, or mark the row busy when
- * another running transaction has it row-locked.
- */
+/* Record the probed tuple version in *row. */
 static void
 store_take_tuple(TupleTableSlot *slot, bool want_body, IdemRow *row)
 {
@@ -307,16 +304,12 @@ store_take_tuple(TupleTableSlot *slot, bool want_body, IdemRow *row)
 	bool		should_free;
 
 	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
-	if (store_locked_by_other(tuple->t_data))
-		row->busy = true;
-	else
-	{
-		row->found = true;
-		row->tid = tuple->t_self;
-		row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
-		row->mine = TransactionIdIsCurrentTransactionId(row->xmin);
-		store_read_slot(slot, want_body, row);
-	}
+	row->found = true;
+	row->locked = store_locked_by_other(tuple->t_data);
+	row->tid = tuple->t_self;
+	row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
+	row->mine = TransactionIdIsCurrentTransactionId(row->xmin);
+	store_read_slot(slot, want_body, row);
 	if (should_free)
 		heap_freetuple(tuple);
 }

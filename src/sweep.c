@@ -57,7 +57,7 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 		locked[nlocked++] = hash;
 
 		idem_store_fetch(&tids[i], scopes[i], keys[i], &row);
-		if (!row.found || row.busy ||
+		if (!row.found || row.busy || row.locked ||
 			(row.mine && row.status == IDEM_PENDING))
 			continue;
 		idem_store_check_snapshot(&row);
