@@ -636,20 +636,18 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 				 errmsg("idempotency key %s is already finished",
 						key_display(scope, key)),
 				 call == CALL_FINISH ?
-				 errdetail("Another attempt (token " INT64_FORMAT ") stored its result.",
-						   row->token) :
+				 errdetail("Another attempt stored its result.") :
 				 errdetail("Its status is \"%s\".", status_names[row->status])));
 	}
 	if (!row->has_token || row->token != token)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_IN_USE),
-				 errmsg("token " INT64_FORMAT " is no longer current for idempotency key %s",
+				 errmsg("token " INT64_FORMAT " is not the current token of idempotency key %s",
 						token, key_display(scope, key)),
 				 row->has_token ?
-				 errdetail("Attempt %d holds the key with token " INT64_FORMAT ".",
-						   row->attempt, row->token) :
+				 errdetail("Attempt %d holds the key now.", row->attempt) :
 				 errdetail("The sweeper reset the key after its lease ended."),
-				 errhint("The claim was taken over; do not store this attempt's result.")));
+				 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
 	idem_store_check_snapshot(row);
 	return true;
 }

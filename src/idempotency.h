@@ -122,8 +122,17 @@ extern void idem_store_finish(const IdemRow *row, IdemStatus status,
 extern void idem_store_extend(const IdemRow *row, TimestampTz lease_until,
 							  TimestampTz expires_at);
 extern void idem_store_delete(const IdemRow *row);
-extern void idem_store_fetch(ItemPointer tid, text *scope, text *key,
-							 IdemRow *row);
+/* An open table for a run of fetches by tid (the sweeper's). */
+typedef struct IdemFetch
+{
+	Relation	heap;
+	struct TupleTableSlot *slot;
+} IdemFetch;
+
+extern void idem_store_fetch_begin(IdemFetch *fetch);
+extern void idem_store_fetch(IdemFetch *fetch, ItemPointer tid, text *scope,
+							 text *key, IdemRow *row);
+extern void idem_store_fetch_end(IdemFetch *fetch);
 
 /* What a sweep does to a row. */
 typedef enum IdemSweepWork

@@ -404,34 +404,47 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
  * Read the row version at "tid" with a dirty snapshot, as a probe would,
  * but without the index descent (the sweeper got the tid from its query).
  * found is false when that version is gone (a committed update or delete
- * replaced it) or holds another key.
+ * replaced it) or holds another key.  The relation and slot come from
+ * idem_store_fetch_begin, so that a chunk of fetches shares them.
  */
 void
-idem_store_fetch(ItemPointer tid, text *scope, text *key, IdemRow *row)
+idem_store_fetch(IdemFetch *fetch, ItemPointer tid, text *scope, text *key,
+				 IdemRow *row)
 {
-	Relation	heap;
 	SnapshotData dirty;
-	TupleTableSlot *slot;
 
 	memset(row, 0, sizeof(IdemRow));
-	store_lookup_rels();
-	heap = table_open(rels.keys, AccessShareLock);
 	InitDirtySnapshot(dirty);
-	slot = table_slot_create(heap, NULL);
-	if (table_tuple_fetch_row_version(heap, tid, &dirty, slot))
+	if (table_tuple_fetch_row_version(fetch->heap, tid, &dirty, fetch->slot))
 	{
 		if (TransactionIdIsValid(dirty.xmin) ||
 			TransactionIdIsValid(dirty.xmax))
 			row->busy = true;
 		else
 		{
-			store_take_tuple(slot, false, row);
-			if (row->found && !store_slot_is_key(slot, scope, key))
+			store_take_tuple(fetch->slot, false, row);
+			if (!store_slot_is_key(fetch->slot, scope, key))
 				row->found = false;
 		}
+		ExecClearTuple(fetch->slot);
 	}
-	ExecDropSingleTupleTableSlot(slot);
-	table_close(heap, NoLock);
+}
+
+/* Open the table for a run of idem_store_fetch calls. */
+void
+idem_store_fetch_begin(IdemFetch *fetch)
+{
+	store_lookup_rels();
+	fetch->heap = table_open(rels.keys, AccessShareLock);
+	fetch->slot = table_slot_create(fetch->heap, NULL);
+}
+
+/* End a run of idem_store_fetch calls. */
+void
+idem_store_fetch_end(IdemFetch *fetch)
+{
+	ExecDropSingleTupleTableSlot(fetch->slot);
+	table_close(fetch->heap, NoLock);
 }
 
 /*

@@ -44,7 +44,9 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 	ItemPointerData work[3][SWEEP_CHUNK];
 	int			nwork[3] = {0, 0, 0};
 	int			nlocked = 0;
+	IdemFetch	fetch;
 
+	idem_store_fetch_begin(&fetch);
 	for (int i = 0; i < n; i++)
 	{
 		uint64		hash = idem_key_hash(scopes[i], keys[i]);
@@ -56,7 +58,7 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 			continue;			/* someone is in its critical section */
 		locked[nlocked++] = hash;
 
-		idem_store_fetch(&tids[i], scopes[i], keys[i], &row);
+		idem_store_fetch(&fetch, &tids[i], scopes[i], keys[i], &row);
 		if (!row.found || row.busy || row.locked ||
 			(row.mine && row.status == IDEM_PENDING))
 			continue;
@@ -82,6 +84,8 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 		if (kind != IDEM_SWEEP_RESCHEDULE)
 			idem_wait_touched(hash);
 	}
+
+	idem_store_fetch_end(&fetch);
 
 	for (int kind = 0; kind < 3; kind++)
 		idem_store_sweep_apply((IdemSweepWork) kind, work[kind], nwork[kind],

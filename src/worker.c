@@ -224,6 +224,14 @@ idem_sweeper_main(Datum arg)
 	BackgroundWorkerUnblockSignals();
 	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid, 0);
 
+	/*
+	 * A sweep lost in a crash is simply done again by the next one (a key
+	 * past its retention already behaves as absent), and any claim that
+	 * acts on a sweep's result flushes it with its own commit: the batches
+	 * need not wait for their WAL flush.
+	 */
+	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
+
 	start = GetCurrentTimestamp();
 	PG_TRY();
 	{
