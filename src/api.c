@@ -32,6 +32,8 @@
 #include "storage/latch.h"
 #include "tcop/utility.h"
 #include "utils/builtins.h"
+#include "utils/datum.h"
+#include "utils/memutils.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
 #include "utils/wait_event.h"
@@ -445,6 +447,8 @@ static void
 claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 {
 	TimestampTz deadline;
+	MemoryContext outer;
+	MemoryContext round_cxt;
 
 	claim_once(args, res);
 	if (res->outcome != OUTCOME_IN_PROGRESS || wait_us <= 0 ||
@@ -452,6 +456,9 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 		return;
 
 	deadline = GetCurrentTimestamp() + wait_us;
+	outer = CurrentMemoryContext;
+	round_cxt = AllocSetContextCreate(outer, "idempotency claim wait",
+									  ALLOCSET_SMALL_SIZES);
 	idem_wait_register(args->hash);
 	PG_TRY();
 	{
@@ -461,8 +468,12 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 			int64		sleep_us;
 			long		sleep_ms;
 
+			/* Each round's probe allocates afresh: a long wait must not grow. */
 			ResetLatch(MyLatch);
+			MemoryContextReset(round_cxt);
+			MemoryContextSwitchTo(round_cxt);
 			claim_once(args, res);
+			MemoryContextSwitchTo(outer);
 			if (res->outcome != OUTCOME_IN_PROGRESS || res->held_by_me)
 				break;
 			now = GetCurrentTimestamp();
@@ -489,6 +500,10 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 		idem_wait_unregister();
 	}
 	PG_END_TRY();
+
+	if (res->response_body != (Datum) 0)
+		res->response_body = datumCopy(res->response_body, false, -1);
+	MemoryContextDelete(round_cxt);
 
 	/* Retry-After is measured at the moment we answer. */
 	if (res->outcome == OUTCOME_IN_PROGRESS && !res->busy && !res->held_by_me)
