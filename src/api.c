@@ -25,6 +25,7 @@
 
 #include "access/detoast.h"
 #include "access/xlog.h"
+#include "common/int.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "mb/pg_wchar.h"
@@ -51,6 +52,8 @@ PG_FUNCTION_INFO_V1(idem_sweep);
 #define WAIT_POLL_MS			10
 /* With preloading, a safety net in case a wake-up is lost (2PC). */
 #define WAIT_SAFETY_MS			1000
+/* The longest wait: a hundred years is as good as forever. */
+#define WAIT_MAX_US				(INT64CONST(100) * 365 * USECS_PER_DAY)
 
 typedef enum ClaimOutcome
 {
@@ -202,22 +205,33 @@ check_positive(Interval *iv, const char *name)
 				 errmsg("%s must be positive", name)));
 }
 
-/* The wait argument: not NULL, not negative; returned in microseconds. */
+/*
+ * The wait argument: not NULL, not negative; returned in microseconds.
+ * Months count as 30 days (as interval comparison does); a wait too long
+ * to represent is capped, since waiting "forever" is a fair request.
+ */
 static int64
 arg_wait(FunctionCallInfo fcinfo, int argno)
 {
 	Interval   *iv;
-	TimestampTz now = GetCurrentTimestamp();
-	TimestampTz until;
+	int64		days_us;
+	int64		months_us;
+	int64		us;
 
 	arg_not_null(fcinfo, argno, "wait");
 	iv = PG_GETARG_INTERVAL_P(argno);
-	until = add_interval(now, iv);
-	if (until < now)
+	if (pg_mul_s64_overflow((int64) iv->day, USECS_PER_DAY, &days_us) ||
+		pg_mul_s64_overflow((int64) iv->month, DAYS_PER_MONTH * USECS_PER_DAY,
+							&months_us) ||
+		pg_add_s64_overflow(iv->time, days_us, &us) ||
+		pg_add_s64_overflow(us, months_us, &us))
+		us = (iv->time < 0 || iv->day < 0 || iv->month < 0) ?
+			PG_INT64_MIN : WAIT_MAX_US;
+	if (us < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("wait must not be negative")));
-	return until - now;
+	return Min(us, WAIT_MAX_US);
 }
 
 /* The status argument of idem_finish. */
