@@ -14,7 +14,9 @@
  *    so INSERT ... ON CONFLICT (which waits for an uncommitted conflicting
  *    insert) runs under lock_timeout = 1ms, the smallest value PostgreSQL
  *    accepts, and the lock_not_available it raises is caught and answered as
- *    in_progress.  Catching needs an EXCEPTION block, that is one
+ *    in_progress (after three tries: the 1 ms timeout also fires on short
+ *    waits of other kinds, such as a relation extension lock under
+ *    concurrent inserts).  Catching needs an EXCEPTION block, that is one
  *    subtransaction (and one extra XID) per claim that writes: the price of
  *    doing this in PL/pgSQL.  A batch of 10,000 claims in one transaction
  *    works, but overflows the backend's subtransaction cache.
@@ -22,11 +24,12 @@
  *    held until commit (a 10,000-key batch would fill the lock table), and a
  *    session-level one released at the end of the function protects nothing
  *    once the claiming row is uncommitted.
- *  - finish / extend / release are one UPDATE or DELETE guarded by the token
- *    (no SELECT ... FOR UPDATE, no row-lock WAL record); only when that
- *    touches no row does a plain SELECT find out which error to raise.  The
- *    same lock_timeout turns "another transaction is changing this key" into
- *    55P03 after at most 1 ms instead of a wait.
+ *  - finish / extend / release lock the row with SELECT ... FOR UPDATE
+ *    NOWAIT (a row another transaction is changing raises 55P03 at once,
+ *    never a wait), check status and token, then UPDATE or DELETE it.  An
+ *    UPDATE-first design under lock_timeout was tried: the 1 ms timeout also
+ *    fires on relation extension locks under concurrent writes and raised
+ *    spurious 55P03 errors.
  *  - SECURITY DEFINER with a pinned search_path, as the table is not
  *    granted to application roles.
  *
@@ -248,8 +251,14 @@ BEGIN
 				END IF;
 				/* lost a race with a committed change: read again */
 			EXCEPTION WHEN lock_not_available THEN
-				/* another transaction is writing this key right now */
-				IF v_deadline IS NULL OR clock_timestamp() >= v_deadline THEN
+				/*
+				 * Another transaction is writing this key right now, or the
+				 * 1 ms lock_timeout caught a short wait of another kind (a
+				 * relation extension lock under concurrent inserts): look
+				 * again, up to three times, before answering in_progress.
+				 */
+				IF (v_deadline IS NULL AND v_loops >= 3)
+				   OR clock_timestamp() >= v_deadline THEN
 					outcome := 'in_progress';
 					retry_after := 1;
 					RETURN;
@@ -280,7 +289,6 @@ CREATE FUNCTION idem_plpgsql.idem_finish(
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-SET lock_timeout = '1ms'
 AS $$
 DECLARE
 	v_key	text := idem_finish.key;
@@ -321,24 +329,11 @@ BEGIN
 			USING ERRCODE = 'read_only_sql_transaction';
 	END IF;
 
+	/* NOWAIT: a row another transaction is changing raises 55P03 at once */
 	v_now := clock_timestamp();
-	UPDATE idem_plpgsql.keys AS k
-	   SET status = idem_finish.status,
-		   response_code = idem_finish.response_code,
-		   response_body = idem_finish.response_body,
-		   finished_at = v_now,
-		   lease_until = NULL,
-		   expires_at = v_now + coalesce(idem_finish.retention, k.retention),
-		   sweep_at = v_now + coalesce(idem_finish.retention, k.retention)
-	 WHERE k.scope = v_scope AND k.key = v_key
-	   AND k.status = 'pending' AND k.token = v_tok AND k.expires_at > v_now
-	RETURNING k.expires_at INTO v_exp;
-	IF FOUND THEN
-		RETURN v_exp;
-	END IF;
-
 	SELECT k.status, k.token, k.expires_at INTO r
-	  FROM idem_plpgsql.keys k WHERE k.scope = v_scope AND k.key = v_key;
+	  FROM idem_plpgsql.keys k WHERE k.scope = v_scope AND k.key = v_key
+	   FOR UPDATE NOWAIT;
 	IF NOT FOUND OR r.expires_at <= v_now THEN
 		RAISE EXCEPTION 'idempotency key "%" does not exist', v_key
 			USING ERRCODE = 'no_data_found';
@@ -348,9 +343,21 @@ BEGIN
 		END IF;
 		RAISE EXCEPTION 'idempotency key "%" was finished by another attempt', v_key
 			USING ERRCODE = 'object_not_in_prerequisite_state';
+	ELSIF r.token IS DISTINCT FROM v_tok THEN
+		RAISE EXCEPTION 'token % is not the current token of idempotency key "%"', v_tok, v_key
+			USING ERRCODE = 'object_in_use';
 	END IF;
-	RAISE EXCEPTION 'token % is not the current token of idempotency key "%"', v_tok, v_key
-		USING ERRCODE = 'object_in_use';
+	UPDATE idem_plpgsql.keys AS k
+	   SET status = idem_finish.status,
+		   response_code = idem_finish.response_code,
+		   response_body = idem_finish.response_body,
+		   finished_at = v_now,
+		   lease_until = NULL,
+		   expires_at = v_now + coalesce(idem_finish.retention, k.retention),
+		   sweep_at = v_now + coalesce(idem_finish.retention, k.retention)
+	 WHERE k.scope = v_scope AND k.key = v_key
+	RETURNING k.expires_at INTO v_exp;
+	RETURN v_exp;
 END;
 $$;
 
@@ -362,7 +369,6 @@ CREATE FUNCTION idem_plpgsql.idem_extend(
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-SET lock_timeout = '1ms'
 AS $$
 DECLARE
 	v_key	text := idem_extend.key;
@@ -398,28 +404,26 @@ BEGIN
 	END IF;
 
 	v_now := clock_timestamp();
-	UPDATE idem_plpgsql.keys AS k
-	   SET lease_until = v_now + v_lease,
-		   expires_at = greatest(v_now + k.retention, v_now + v_lease),
-		   sweep_at = v_now + v_lease
-	 WHERE k.scope = v_scope AND k.key = v_key
-	   AND k.status = 'pending' AND k.token = v_tok AND k.expires_at > v_now
-	RETURNING k.lease_until INTO v_until;
-	IF FOUND THEN
-		RETURN v_until;
-	END IF;
-
 	SELECT k.status, k.token, k.expires_at INTO r
-	  FROM idem_plpgsql.keys k WHERE k.scope = v_scope AND k.key = v_key;
+	  FROM idem_plpgsql.keys k WHERE k.scope = v_scope AND k.key = v_key
+	   FOR UPDATE NOWAIT;
 	IF NOT FOUND OR r.expires_at <= v_now THEN
 		RAISE EXCEPTION 'idempotency key "%" does not exist', v_key
 			USING ERRCODE = 'no_data_found';
 	ELSIF r.status <> 'pending' THEN
 		RAISE EXCEPTION 'idempotency key "%" is already finished', v_key
 			USING ERRCODE = 'object_not_in_prerequisite_state';
+	ELSIF r.token IS DISTINCT FROM v_tok THEN
+		RAISE EXCEPTION 'token % is not the current token of idempotency key "%"', v_tok, v_key
+			USING ERRCODE = 'object_in_use';
 	END IF;
-	RAISE EXCEPTION 'token % is not the current token of idempotency key "%"', v_tok, v_key
-		USING ERRCODE = 'object_in_use';
+	UPDATE idem_plpgsql.keys AS k
+	   SET lease_until = v_now + v_lease,
+		   expires_at = greatest(v_now + k.retention, v_now + v_lease),
+		   sweep_at = v_now + v_lease
+	 WHERE k.scope = v_scope AND k.key = v_key
+	RETURNING k.lease_until INTO v_until;
+	RETURN v_until;
 END;
 $$;
 
@@ -430,7 +434,6 @@ CREATE FUNCTION idem_plpgsql.idem_release(
 RETURNS void
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-SET lock_timeout = '1ms'
 AS $$
 DECLARE
 	v_key	text := idem_release.key;
@@ -458,24 +461,20 @@ BEGIN
 	END IF;
 
 	v_now := clock_timestamp();
-	DELETE FROM idem_plpgsql.keys AS k
-	 WHERE k.scope = v_scope AND k.key = v_key
-	   AND k.status = 'pending' AND k.token = v_tok AND k.expires_at > v_now;
-	IF FOUND THEN
-		RETURN;
-	END IF;
-
 	SELECT k.status, k.token, k.expires_at INTO r
-	  FROM idem_plpgsql.keys k WHERE k.scope = v_scope AND k.key = v_key;
+	  FROM idem_plpgsql.keys k WHERE k.scope = v_scope AND k.key = v_key
+	   FOR UPDATE NOWAIT;
 	IF NOT FOUND OR r.expires_at <= v_now THEN
 		RAISE EXCEPTION 'idempotency key "%" does not exist', v_key
 			USING ERRCODE = 'no_data_found';
 	ELSIF r.status <> 'pending' THEN
 		RAISE EXCEPTION 'idempotency key "%" is already finished', v_key
 			USING ERRCODE = 'object_not_in_prerequisite_state';
+	ELSIF r.token IS DISTINCT FROM v_tok THEN
+		RAISE EXCEPTION 'token % is not the current token of idempotency key "%"', v_tok, v_key
+			USING ERRCODE = 'object_in_use';
 	END IF;
-	RAISE EXCEPTION 'token % is not the current token of idempotency key "%"', v_tok, v_key
-		USING ERRCODE = 'object_in_use';
+	DELETE FROM idem_plpgsql.keys AS k WHERE k.scope = v_scope AND k.key = v_key;
 END;
 $$;
 

@@ -142,7 +142,8 @@ w("**Machine**: %s cores (%s), PostgreSQL %s, shared with other work (noisy: tha
 w("")
 w("**Run parameters**: `%s`. pgbench `-M prepared`, each op on a fresh random key "
   "(`random(1, 10^12)` within a per-run scope), each run after a CHECKPOINT and a warm-up of the "
-  "same script; p99 from pgbench's per-transaction `--log`." % extra.get("params", "?"))
+  "same script; compared scripts run back to back, in reverse order every other round (A B, B A, ...); "
+  "p99 from pgbench's per-transaction `--log`." % extra.get("params", "?"))
 w("")
 w("**Server settings** (throwaway cluster started by the command): " +
   ", ".join("`%s`" % s for s in extra.get("settings", "").split(";") if s))
@@ -150,6 +151,14 @@ w("")
 if extra.get("have_ext") != "1":
     w("**The extension was not installed: extension rows are missing.**")
     w("")
+w("**Extension build measured**: idempotency.so md5 %s." % extra.get("so", "?"))
+changed = sorted(k for k in extra if k.startswith("so_changed."))
+if changed:
+    w("")
+    w("**WARNING: the extension was reinstalled while this run measured** (new connections load the "
+      "new file, so rows measured after the change ran a different build): " +
+      "; ".join("before %s: %s" % (k.split(".", 1)[1], extra[k]) for k in changed))
+w("")
 w("**Behavioural checks** (`bench/plpgsql_peer_check.sql`, the same checks against both): "
   "PL/pgSQL peer: %s; extension: %s." % (extra.get("check_peer", "not run"), extra.get("check_ext", "not run")))
 fails = [k for k in extra if k.startswith("verify_failed_")]
@@ -192,6 +201,23 @@ if runs.get("r11_worker_on"):
     w("Row 11, worker on: `sweep_interval = 1s` with %s expired keys queued before each run "
       "(harsher than the default 60 s pace: the worker deletes continuously); keys it expired "
       "during warm-up + run: %s." % (extra.get("n_backlog", "?"), ", ".join(sw)))
+if "r11_drain" in extra:
+    due, secs, calls, left, walb = extra["r11_drain"].split()
+    due, secs, left, walb = int(due), float(secs), int(left), float(walb)
+    w("Row 11, the sweeper's deferred work: before row 11, %d keys were due (`sweep_at <= now()`: mostly "
+      "finished keys whose sweep_at is still their lease end, which the sweeper reschedules); calling "
+      "`idem_sweep` until nothing was due took %.1f s in %s calls (%s), %s still due, %.0f WAL bytes per due key "
+      "(%s without full-page images). This is write work per finished key that rows 1 and 2 do not show."
+      % (due, secs, calls, ("%.0f keys/s" % (due / secs)) if secs > 0 else "?", left,
+         walb / due if due else 0,
+         ("%.0f" % ((walb - waldump("drain")[1][2]) / due)) if due and waldump("drain")[1] else "?"))
+lefts = sorted(k for k in extra if k.startswith("r11_left."))
+if lefts:
+    w("")
+    w("**Row 11a: `idem_sweep`, called again while it returned a full batch (the documented protocol), "
+      "stopped with keys past retention left**: %s (they were deleted by hand before the next round; "
+      "the rows/s above count only what the sweep deleted)." % ", ".join(
+          "round %s: %s keys" % (k.split(".")[1], extra[k]) for k in lefts))
 w("")
 
 # row 12
@@ -218,8 +244,11 @@ w("")
 # WAL
 w("## WAL per operation (one client, pg_current_wal_insert_lsn before and after)")
 w("")
-w("| row | ops | WAL bytes/op | of which FPI bytes/op | records/op | main records per op |")
-w("|---|---:|---:|---:|---:|---|")
+w("Measured after the comparison runs (so after a CHECKPOINT): the full-page images (FPI) depend on "
+  "how many pages an op touches first after a checkpoint; the bytes without FPI are the stable per-op cost.")
+w("")
+w("| row | ops | WAL bytes/op | without FPI | FPI bytes/op | records/op | main records per op (count, bytes incl. FPI) |")
+w("|---|---:|---:|---:|---:|---:|---|")
 for label, name in [("r1", "1 extension autocommit"), ("r2", "2 extension one transaction"),
                     ("r6", "6 PL/pgSQL peer"), ("r7", "7 floor"), ("r8", "8 replay"),
                     ("r8p", "8 PL/pgSQL peer replay"), ("r10", "10 in_progress")]:
@@ -230,8 +259,9 @@ for label, name in [("r1", "1 extension autocommit"), ("r2", "2 extension one tr
     fpi = "%.1f" % (total[2] / n) if total else ("0" if b == 0 else "?")
     cnt = "%.2f" % (total[0] / n) if total else ("0" if b == 0 else "?")
     top = sorted(recs, key=lambda r: -r[4])[:6]
-    w("| %s | %d | %.1f | %s | %s | %s |" % (
-        name, n, b / n, fpi, cnt,
+    nofpi = "%.1f" % ((b - total[2]) / n) if total else ("0" if b == 0 else "?")
+    w("| %s | %d | %.1f | %s | %s | %s | %s |" % (
+        name, n, b / n, nofpi, fpi, cnt,
         ", ".join("%s %.2f (%.0f B)" % (r[0], r[1] / n, r[4] / n) for r in top if r[1] / n >= 0.05)))
 w("")
 

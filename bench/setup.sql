@@ -88,3 +88,26 @@ BEGIN
 		EXIT WHEN e < b AND r < b;
 	END LOOP;
 END $$;
+
+/*
+ * Row 11: let the sweeper catch up with everything that is due (sweep_at <=
+ * now()), calling idem_sweep until nothing is due or max_seconds pass,
+ * whatever each call returns.  Measures the sweeper's deferred work (a
+ * finished key whose sweep_at is still its lease end gets rescheduled).
+ */
+CREATE PROCEDURE bench.sweep_drain(max_seconds integer, INOUT calls integer DEFAULT 0,
+								   INOUT due_left bigint DEFAULT 0)
+LANGUAGE plpgsql AS $$
+DECLARE
+	stop	timestamptz := clock_timestamp() + make_interval(secs => max_seconds);
+	b		integer := coalesce(nullif(current_setting('idempotency.sweep_batch', true), '')::integer, 1000);
+BEGIN
+	LOOP
+		EXIT WHEN NOT EXISTS (SELECT 1 FROM idempotency.keys WHERE sweep_at <= clock_timestamp());
+		EXIT WHEN clock_timestamp() > stop;
+		PERFORM idempotency.idem_sweep(b);
+		calls := calls + 1;
+		COMMIT;
+	END LOOP;
+	SELECT count(*) INTO due_left FROM idempotency.keys WHERE sweep_at <= clock_timestamp();
+END $$;
