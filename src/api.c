@@ -197,9 +197,12 @@ add_interval(TimestampTz now, Interval *iv)
 static void
 check_positive(Interval *iv, const char *name)
 {
-	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz now;
 
-	if (iv != NULL && add_interval(now, iv) <= now)
+	if (iv == NULL)
+		return;
+	now = GetCurrentTimestamp();
+	if (add_interval(now, iv) <= now)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must be positive", name)));
