@@ -862,7 +862,7 @@ idem_sweep(PG_FUNCTION_ARGS)
 
 	result_init(fcinfo);
 	start = GetCurrentTimestamp();
-	idem_sweep_batch_run(batch, &expired, &reset);
+	(void) idem_sweep_batch_run(batch, 0, &expired, &reset);
 	idem_stats_sweep_done(GetCurrentTimestamp(),
 						  (double) (GetCurrentTimestamp() - start) / 1000.0);
 

@@ -181,7 +181,8 @@ extern void idem_stats_sweep_done(TimestampTz at, double ms);
 extern void idem_tenant_check(text *scope);
 
 /* ---- sweep.c ---- */
-extern bool idem_sweep_batch_run(int batch, int64 *expired, int64 *reset);
+extern bool idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
+								 int64 *reset);
 
 /* ---- worker.c ---- */
 extern void idem_worker_init(void);

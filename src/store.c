@@ -770,8 +770,9 @@ idem_store_sweep_candidates(TimestampTz now, int limit,
 
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int64GetDatum((int64) limit);
+	/* Not read-only: each fetch must see this sweep's own earlier writes. */
 	rc = SPI_execute_plan(store_plan(PLAN_SWEEP_CANDIDATES), values, NULL,
-						  true, 0);
+						  false, 0);
 	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "idempotency sweep query failed: %s",
 			 SPI_result_code_string(rc));

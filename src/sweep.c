@@ -17,12 +17,11 @@
  */
 #include "postgres.h"
 
+#include "miscadmin.h"
 #include "utils/timestamp.h"
 
 #include "idempotency.h"
 
-/* Candidate fetches per call: bounds one call's work and transaction. */
-#define SWEEP_MAX_FETCHES	16
 /* Keys locked and written together (advisory locks held at once). */
 #define SWEEP_CHUNK			128
 
@@ -102,10 +101,14 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
  * Sweep at most "batch" keys of each kind (expired, reset) in the current
  * transaction, counting them into *expired and *reset.  Rows found before
  * their time (a key finished or extended after its claim) are rescheduled
- * on the way and do not count.  Returns true when more rows may be due.
+ * on the way and do not count, so a call keeps fetching candidates until a
+ * kind is full, nothing more is due, or every remaining candidate was
+ * skipped; "max_fetches" (0: no limit) bounds that for the worker, which
+ * slices its visits by time.  Returns true when more rows may be due.
  */
 bool
-idem_sweep_batch_run(int batch, int64 *expired, int64 *reset)
+idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
+					 int64 *reset)
 {
 	TimestampTz now = GetCurrentTimestamp();
 	int			limit = (int) Min((int64) batch * 2, (int64) PG_INT32_MAX);
@@ -115,7 +118,7 @@ idem_sweep_batch_run(int batch, int64 *expired, int64 *reset)
 	*reset = 0;
 
 	idem_store_begin();
-	for (int fetch = 0; fetch < SWEEP_MAX_FETCHES; fetch++)
+	for (int fetch = 0; max_fetches == 0 || fetch < max_fetches; fetch++)
 	{
 		ItemPointerData *tids;
 		text	  **scopes;
@@ -123,6 +126,7 @@ idem_sweep_batch_run(int batch, int64 *expired, int64 *reset)
 		int			n;
 		int			progress = 0;
 
+		CHECK_FOR_INTERRUPTS();
 		n = idem_store_sweep_candidates(now, limit, &tids, &scopes, &keys);
 		for (int i = 0; i < n && *expired < batch && *reset < batch;
 			 i += SWEEP_CHUNK)

@@ -59,6 +59,8 @@
 
 /* How long one visit may sweep before it yields to the next round. */
 #define VISIT_SLICE_MS			1000
+/* Candidate fetches per batch transaction: keeps each one short. */
+#define SWEEPER_MAX_FETCHES		16
 /* Pause between rounds while some database still has work. */
 #define MORE_WORK_PAUSE_MS		100
 /* Longest back-off of a database whose sweep keeps failing. */
@@ -195,7 +197,8 @@ sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 
 	installed = sweeper_extension_installed();
 	if (installed)
-		*more = idem_sweep_batch_run(batch, expired, reset);
+		*more = idem_sweep_batch_run(batch, SWEEPER_MAX_FETCHES, expired,
+									 reset);
 
 	PopActiveSnapshot();
 	CommitTransactionCommand();
