@@ -52,6 +52,8 @@ PG_FUNCTION_INFO_V1(idem_sweep);
 #define WAIT_POLL_MS			10
 /* With preloading, a safety net in case a wake-up is lost (2PC). */
 #define WAIT_SAFETY_MS			1000
+/* The longest lease or retention: keeps every deadline a valid timestamp. */
+#define INTERVAL_MAX_US			(INT64CONST(10000) * 365 * USECS_PER_DAY)
 /* The longest wait: a hundred years is as good as forever. */
 #define WAIT_MAX_US				(INT64CONST(100) * 365 * USECS_PER_DAY)
 
@@ -193,14 +195,44 @@ add_interval(TimestampTz now, Interval *iv)
 												   IntervalPGetDatum(iv)));
 }
 
+/*
+ * The length of an interval in microseconds, months counted as 30 days (as
+ * interval comparison does).  Returns false when it does not fit in 64 bits.
+ */
+static bool
+interval_span(Interval *iv, int64 *us)
+{
+	int64		days_us;
+	int64		months_us;
+
+	return !(pg_mul_s64_overflow((int64) iv->day, USECS_PER_DAY, &days_us) ||
+			 pg_mul_s64_overflow((int64) iv->month,
+								 DAYS_PER_MONTH * USECS_PER_DAY, &months_us) ||
+			 pg_add_s64_overflow(iv->time, days_us, us) ||
+			 pg_add_s64_overflow(*us, months_us, us));
+}
+
 /* Raise 22023 unless the interval "iv" (named "name") is positive. */
 static void
 check_positive(Interval *iv, const char *name)
 {
 	TimestampTz now;
+	int64		us = 0;
 
 	if (iv == NULL)
 		return;
+	if (!interval_span(iv, &us))
+		us = (iv->time < 0 || iv->day < 0 || iv->month < 0) ?
+			PG_INT64_MIN : PG_INT64_MAX;
+	if (us <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", name)));
+	if (us > INTERVAL_MAX_US)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s is too large", name),
+				 errdetail("The limit is 10000 years.")));
 	now = GetCurrentTimestamp();
 	if (add_interval(now, iv) <= now)
 		ereport(ERROR,
@@ -209,25 +241,19 @@ check_positive(Interval *iv, const char *name)
 }
 
 /*
- * The wait argument: not NULL, not negative; returned in microseconds.
- * Months count as 30 days (as interval comparison does); a wait too long
- * to represent is capped, since waiting "forever" is a fair request.
+ * The wait argument: not NULL, not negative; returned in microseconds.  A
+ * wait too long to represent is capped, since waiting "forever" is a fair
+ * request.
  */
 static int64
 arg_wait(FunctionCallInfo fcinfo, int argno)
 {
 	Interval   *iv;
-	int64		days_us;
-	int64		months_us;
 	int64		us;
 
 	arg_not_null(fcinfo, argno, "wait");
 	iv = PG_GETARG_INTERVAL_P(argno);
-	if (pg_mul_s64_overflow((int64) iv->day, USECS_PER_DAY, &days_us) ||
-		pg_mul_s64_overflow((int64) iv->month, DAYS_PER_MONTH * USECS_PER_DAY,
-							&months_us) ||
-		pg_add_s64_overflow(iv->time, days_us, &us) ||
-		pg_add_s64_overflow(us, months_us, &us))
+	if (!interval_span(iv, &us))
 		us = (iv->time < 0 || iv->day < 0 || iv->month < 0) ?
 			PG_INT64_MIN : WAIT_MAX_US;
 	if (us < 0)

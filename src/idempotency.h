@@ -96,6 +96,7 @@ typedef enum IdemProbeMode
 	IDEM_PROBE_SNAPSHOT			/* the active MVCC snapshot (lookup) */
 } IdemProbeMode;
 
+extern void idem_store_check_member(Oid relid);
 extern void idem_store_probe(text *scope, text *key, IdemProbeMode mode,
 							 bool want_body, IdemRow *row);
 extern bool idem_store_lock(uint64 hash, bool wait);

@@ -30,12 +30,16 @@
 #include "access/tableam.h"
 #include "access/xact.h"
 #include "access/xlog.h"
+#include "catalog/dependency.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_type.h"
+#include "commands/extension.h"
 #include "commands/sequence.h"
 #include "executor/spi.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
+#include "optimizer/cost.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
 #include "storage/procarray.h"
@@ -193,6 +197,46 @@ store_relcache_callback(Datum arg, Oid relid)
 }
 
 /*
+ * Refuse a relation that is not a member of the extension: the schema is
+ * found by name, and whoever owns it could rename it and plant look-alike
+ * tables under the old name.
+ */
+void
+idem_store_check_member(Oid relid)
+{
+	Oid			extoid = get_extension_oid("idempotency", true);
+
+	if (!OidIsValid(extoid) ||
+		getExtensionOfObject(RelationRelationId, relid) != extoid)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("relation \"%s\" is not a member of extension \"idempotency\"",
+						get_rel_name(relid)),
+				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
+}
+
+/* The column types store_read_slot relies on, in table order. */
+static void
+store_check_columns(Relation heap)
+{
+	static const Oid types[NUM_COLS] = {
+		TEXTOID, TEXTOID, TEXTOID, INT8OID, INT4OID, BYTEAOID, INT4OID,
+		JSONBOID, TIMESTAMPTZOID, TIMESTAMPTZOID, TIMESTAMPTZOID,
+		TIMESTAMPTZOID, INTERVALOID, TIMESTAMPTZOID
+	};
+	TupleDesc	desc = RelationGetDescr(heap);
+
+	if (desc->natts != NUM_COLS)
+		elog(ERROR, "table \"idempotency.keys\" has %d columns, expected %d",
+			 desc->natts, NUM_COLS);
+	for (int i = 0; i < NUM_COLS; i++)
+		if (TupleDescAttr(desc, i)->atttypid != types[i] ||
+			TupleDescAttr(desc, i)->attisdropped)
+			elog(ERROR, "column %d of table \"idempotency.keys\" has an unexpected type",
+				 i + 1);
+}
+
+/*
  * Find the extension's relations.  The schema name is fixed (the extension
  * is not relocatable), so no search_path is involved.
  */
@@ -221,9 +265,12 @@ store_lookup_rels(void)
 				(errcode(ERRCODE_UNDEFINED_OBJECT),
 				 errmsg("extension \"idempotency\" is not installed in this database"),
 				 errhint("Run CREATE EXTENSION idempotency.")));
+	idem_store_check_member(rels.keys);
+	idem_store_check_member(rels.token_seq);
 	{
 		Relation	heap = table_open(rels.keys, AccessShareLock);
 
+		store_check_columns(heap);
 		rels.owner = heap->rd_rel->relowner;
 		table_close(heap, NoLock);
 	}
@@ -353,9 +400,6 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
 
 	heap = table_open(rels.keys, AccessShareLock);
 	index = index_open(rels.pkey, AccessShareLock);
-	if (RelationGetNumberOfAttributes(heap) != NUM_COLS)
-		elog(ERROR, "table \"idempotency.keys\" has %d columns, expected %d",
-			 RelationGetNumberOfAttributes(heap), NUM_COLS);
 
 	if (mode == IDEM_PROBE_LATEST)
 	{
@@ -575,6 +619,34 @@ idem_store_end(void)
 }
 
 /*
+ * Execute a prepared statement that addresses rows by ctid.  Its generic
+ * plan is built at the first execution (and again after an invalidation);
+ * if the table looks empty to the planner then (freshly vacuumed), a Seq
+ * Scan costs nothing and would be kept for every later call on a growing
+ * table.  So seq scans are disabled while the statement runs (and may be
+ * planned): the variable is flipped directly, which is what SET does
+ * without its bookkeeping, and restored even on error.
+ */
+static int
+store_execute(SPIPlanPtr plan, Datum *values, const char *nulls)
+{
+	bool		save_enable_seqscan = enable_seqscan;
+	int			rc;
+
+	enable_seqscan = false;
+	PG_TRY();
+	{
+		rc = SPI_execute_plan(plan, values, nulls, false, 0);
+	}
+	PG_FINALLY();
+	{
+		enable_seqscan = save_enable_seqscan;
+	}
+	PG_END_TRY();
+	return rc;
+}
+
+/*
  * A write found fewer rows than it probed under their locks: under
  * REPEATABLE READ or SERIALIZABLE the statement's snapshot predates a
  * concurrent change (a serialization failure); otherwise it cannot happen.
@@ -601,7 +673,7 @@ store_write(StorePlan which, Datum *values, const char *nulls, int ok_rc)
 {
 	int			rc;
 
-	rc = SPI_execute_plan(store_plan(which), values, nulls, false, 0);
+	rc = store_execute(store_plan(which), values, nulls);
 	if (rc != ok_rc)
 		elog(ERROR, "idempotency statement failed: %s",
 			 SPI_result_code_string(rc));
@@ -745,8 +817,7 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 												sizeof(ItemPointerData),
 												false, TYPALIGN_SHORT));
 	values[1] = TimestampTzGetDatum(now);
-	rc = SPI_execute_plan(store_plan(work_plans[work]), values, NULL,
-						  false, 0);
+	rc = store_execute(store_plan(work_plans[work]), values, NULL);
 	if (rc != (work == IDEM_SWEEP_DELETE ? SPI_OK_DELETE : SPI_OK_UPDATE))
 		elog(ERROR, "idempotency sweep statement failed: %s",
 			 SPI_result_code_string(rc));

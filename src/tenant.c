@@ -18,6 +18,7 @@
 
 #include "access/table.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_type.h"
 #include "commands/trigger.h"
 #include "access/tableam.h"
 #include "executor/tuptable.h"
@@ -94,10 +95,12 @@ tenant_load(void)
 	if (!OidIsValid(bindings_relid))
 		return;
 
+	idem_store_check_member(bindings_relid);
 	rel = table_open(bindings_relid, AccessShareLock);
-	if (RelationGetNumberOfAttributes(rel) != 2)
-		elog(ERROR, "table \"idempotency.scope_bindings\" has %d columns, expected 2",
-			 RelationGetNumberOfAttributes(rel));
+	if (RelationGetNumberOfAttributes(rel) != 2 ||
+		TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
+		TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
+		elog(ERROR, "table \"idempotency.scope_bindings\" does not have the expected columns");
 	snapshot = RegisterSnapshot(GetLatestSnapshot());
 	slot = table_slot_create(rel, NULL);
 	scan = table_beginscan(rel, snapshot, 0, NULL);
