@@ -432,8 +432,9 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
 			if (should_free)
 				heap_freetuple(tuple);
 		}
-		else if (TransactionIdIsValid(dirty.xmin) ||
-				 TransactionIdIsValid(dirty.xmax))
+		else if (mode == IDEM_PROBE_LATEST &&
+				 (TransactionIdIsValid(dirty.xmin) ||
+				  TransactionIdIsValid(dirty.xmax)))
 			row->busy = true;
 		else
 			store_take_tuple(slot, want_body, row);
