@@ -52,8 +52,12 @@ PG_FUNCTION_INFO_V1(idem_sweep);
 #define WAIT_POLL_MS			10
 /* With preloading, a safety net in case a wake-up is lost (2PC). */
 #define WAIT_SAFETY_MS			1000
-/* The longest lease or retention: keeps every deadline a valid timestamp. */
-#define INTERVAL_MAX_US			(INT64CONST(10000) * 365 * USECS_PER_DAY)
+/*
+ * The longest lease or retention, 10000 years as interval comparison counts
+ * them (12 months of 30 days): keeps every deadline a valid timestamp.
+ */
+#define INTERVAL_MAX_US			(INT64CONST(10000) * MONTHS_PER_YEAR * \
+								 DAYS_PER_MONTH * USECS_PER_DAY)
 /* The longest wait: a hundred years is as good as forever. */
 #define WAIT_MAX_US				(INT64CONST(100) * 365 * USECS_PER_DAY)
 
