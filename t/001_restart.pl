@@ -28,79 +28,27 @@
 # given to the TAP tests (55441 for 001, 55442 for 002, 55443 for 003) and
 # only name the socket file, so concurrent runs do not collide.  No test
 # asserts anything about timing: leases are waited out by polling the table.
+# What the tests share (node set-up, SQL and its SQLSTATE, claims, waiting
+# for the worker) is in t/lib/IdemTest.pm; prove runs t/*.pl only.
 
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
+use List::Util qw(max);
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('restart', port => 55441);
-$node->init;
-$node->append_conf('postgresql.conf',
-	"shared_preload_libraries = 'idempotency'\n");
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+my $node = new_node('restart', port => 55441, extension => 1);
 
 # Every token the server has handed out so far, committed or not.
 my @tokens;
+sub max_token { return max(0, @tokens); }
 
-sub max_token
-{
-	my $max = 0;
-	foreach (@tokens) { $max = $_ if $_ > $max; }
-	return $max;
-}
-
-sub sql
-{
-	my ($sql) = @_;
-	return $node->safe_psql('postgres', $sql);
-}
-
-# The claim's outcome row as a hash; SQL NULL becomes undef.
-sub parse_claim
-{
-	my ($line) = @_;
-	my @f = split /\|/, $line, -1;
-	die "unexpected idem_claim output: '$line'" unless @f == 7;
-	my %r;
-	@r{qw(outcome token attempt status response_code body_md5 retry_after)} =
-	  map { $_ eq '' ? undef : $_ } @f;
-	return \%r;
-}
-
-sub claim
-{
-	my ($args) = @_;
-	return parse_claim(
-		sql("SELECT outcome, token, attempt, status, response_code, "
-			  . "md5(response_body::text), retry_after "
-			  . "FROM idempotency.idem_claim($args)"));
-}
-
-# The SQLSTATE an SQL command ends with ('00000' when it succeeds).
-sub sqlstate_of
-{
-	my ($cmd) = @_;
-	my ($ret, $out, $err) =
-	  $node->psql('postgres', "\\set VERBOSITY verbose\n$cmd;");
-	return '00000' if $ret == 0 && $err !~ /ERROR/;
-	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
-	return "no SQLSTATE (ret $ret): $err";
-}
-
-# The stored row of a key, every column (response_body as its md5).
-sub stored_row
-{
-	my ($scope, $key) = @_;
-	return sql(
-		"SELECT status, token, attempt, encode(fingerprint, 'hex'), "
-		  . "response_code, md5(response_body::text), created_at, finished_at, "
-		  . "lease_until, expires_at, retention, sweep_at "
-		  . "FROM idempotency.keys WHERE scope = '$scope' AND key = '$key'");
-}
+sub sql { return $node->safe_psql('postgres', $_[0]); }
 
 # The stable part of a pending key whose lease may end while we look: the
 # sweeper may reset it (token, sweep_at) but must not change the rest.
@@ -122,16 +70,6 @@ sub lookup
 		  . "FROM idempotency.idem_lookup('$key', scope => '$scope')");
 }
 
-sub wait_lease_over
-{
-	my ($scope, $key) = @_;
-	ok( $node->poll_query_until(
-			'postgres',
-			"SELECT coalesce(lease_until < clock_timestamp(), true) "
-			  . "FROM idempotency.keys WHERE scope = '$scope' AND key = '$key'"),
-		"lease of $scope/$key has ended");
-}
-
 # The responses stored by populate(), and their md5 as PostgreSQL prints them.
 my $ok_body     = q{'{"order": 1, "total": 100.0, "items": [1, 2, 3]}'};
 my $failed_body = q{'{"error": "upstream timeout", "retry": false}'};
@@ -143,11 +81,11 @@ my $big_body =
   . q{FROM generate_series(1, 6000) AS i)};
 
 my %md5;
-$md5{ok}     = sql("SELECT md5(($ok_body)::jsonb::text)");
-$md5{failed} = sql("SELECT md5(($failed_body)::jsonb::text)");
-$md5{scope}  = sql("SELECT md5(($scope_body)::jsonb::text)");
-$md5{pend}   = sql("SELECT md5(($pend_body)::jsonb::text)");
-$md5{big}    = sql("SELECT md5(($big_body)::text)");
+$md5{ok}     = body_md5($node, 'postgres', $ok_body);
+$md5{failed} = body_md5($node, 'postgres', $failed_body);
+$md5{scope}  = body_md5($node, 'postgres', $scope_body);
+$md5{pend}   = body_md5($node, 'postgres', $pend_body);
+$md5{big}    = body_md5($node, 'postgres', $big_body);
 
 my %pending_token;    # "scope/key" => token of the committed pending claim
 
@@ -157,39 +95,42 @@ sub populate
 	my ($p) = @_;
 	my $c;
 
-	$c = claim("'$p-ok', request => '{\"order\": 1}', lease => '1 hour'");
+	$c = claim($node, 'postgres', "'$p-ok', request => '{\"order\": 1}', lease => '1 hour'");
 	is($c->{outcome}, 'claimed', "$p-ok: claimed");
 	is($c->{attempt}, 1,         "$p-ok: attempt 1");
 	cmp_ok($c->{token}, '>', max_token(), "$p-ok: token above every earlier token");
 	push @tokens, $c->{token};
 	sql("SELECT idempotency.idem_finish('$p-ok', $c->{token}, 201, $ok_body)");
 
-	$c = claim("'$p-failed', request => '{\"order\": 2}'");
+	$c = claim($node, 'postgres', "'$p-failed', request => '{\"order\": 2}'");
 	is($c->{outcome}, 'claimed', "$p-failed: claimed");
 	cmp_ok($c->{token}, '>', max_token(), "$p-failed: token above every earlier token");
 	push @tokens, $c->{token};
 	sql("SELECT idempotency.idem_finish('$p-failed', $c->{token}, 502, "
 		  . "$failed_body, status => 'failed')");
 
-	$c = claim("'$p-big', lease => '1 hour'");
+	$c = claim($node, 'postgres', "'$p-big', lease => '1 hour'");
 	is($c->{outcome}, 'claimed', "$p-big: claimed");
 	push @tokens, $c->{token};
 	sql("SELECT idempotency.idem_finish('$p-big', $c->{token}, 200, $big_body)");
 
 	# Same key in another scope, with another request and response.
-	$c = claim("'$p-ok', request => '{\"order\": 99}', scope => 'tenant-2'");
+	$c = claim($node, 'postgres',
+		"'$p-ok', request => '{\"order\": 99}', scope => 'tenant-2'");
 	is($c->{outcome}, 'claimed', "tenant-2/$p-ok: claimed (scopes are apart)");
 	push @tokens, $c->{token};
 	sql("SELECT idempotency.idem_finish('$p-ok', $c->{token}, 200, "
 		  . "$scope_body, scope => 'tenant-2')");
 
 	# Pending, committed claims: one with a long lease, one that runs out.
-	$c = claim("'$p-pend-long', request => '{\"job\": 1}', lease => '1 hour'");
+	$c = claim($node, 'postgres',
+		"'$p-pend-long', request => '{\"job\": 1}', lease => '1 hour'");
 	is($c->{outcome}, 'claimed', "$p-pend-long: claimed");
 	push @tokens, $c->{token};
 	$pending_token{"/$p-pend-long"} = $c->{token};
 
-	$c = claim("'$p-pend-short', request => '{\"job\": 2}', lease => '1 second'");
+	$c = claim($node, 'postgres',
+		"'$p-pend-short', request => '{\"job\": 2}', lease => '1 second'");
 	is($c->{outcome}, 'claimed', "$p-pend-short: claimed");
 	push @tokens, $c->{token};
 	$pending_token{"/$p-pend-short"} = $c->{token};
@@ -207,7 +148,7 @@ sub snapshot
 	foreach my $k (@stable_keys)
 	{
 		my ($scope, $key) = ($k->[0], "$p-$k->[1]");
-		$s{"row $scope/$key"}    = stored_row($scope, $key);
+		$s{"row $scope/$key"}    = stored_row($node, 'postgres', $scope, $key);
 		$s{"lookup $scope/$key"} = lookup($scope, $key);
 	}
 	$s{"core /$p-pend-short"} = stored_pending_core('', "$p-pend-short");
@@ -224,60 +165,31 @@ sub verify
 		is($now->{$what}, $before->{$what}, "$how: $what unchanged");
 	}
 
-	my $c = claim("'$p-ok', request => '{\"order\": 1}'");
-	is_deeply(
-		$c,
-		{
-			outcome       => 'replay',
-			token         => undef,
-			attempt       => undef,
-			status        => 'succeeded',
-			response_code => 201,
-			body_md5      => $md5{ok},
-			retry_after   => undef
-		},
+	my $c = claim($node, 'postgres', "'$p-ok', request => '{\"order\": 1}'");
+	is_deeply($c, replay_row('succeeded', 201, $md5{ok}),
 		"$how: $p-ok replays the stored success");
 
-	$c = claim("'$p-failed', request => '{\"order\": 2}'");
-	is_deeply(
-		$c,
-		{
-			outcome       => 'replay',
-			token         => undef,
-			attempt       => undef,
-			status        => 'failed',
-			response_code => 502,
-			body_md5      => $md5{failed},
-			retry_after   => undef
-		},
+	$c = claim($node, 'postgres', "'$p-failed', request => '{\"order\": 2}'");
+	is_deeply($c, replay_row('failed', 502, $md5{failed}),
 		"$how: $p-failed replays the stored failure");
 
-	$c = claim("'$p-big'");
+	$c = claim($node, 'postgres', "'$p-big'");
 	is($c->{outcome},       'replay',  "$how: $p-big replays");
 	is($c->{response_code}, 200,       "$how: $p-big response code");
 	is($c->{body_md5},      $md5{big}, "$how: $p-big returns the identical large body");
 	is( sql("SELECT response_body->>'n' FROM idempotency.idem_claim('$p-big')"),
 		'6000', "$how: $p-big body is readable jsonb");
 
-	$c = claim("'$p-ok', request => '{\"order\": 99}', scope => 'tenant-2'");
+	$c = claim($node, 'postgres',
+		"'$p-ok', request => '{\"order\": 99}', scope => 'tenant-2'");
 	is($c->{outcome},  'replay',    "$how: tenant-2/$p-ok replays");
 	is($c->{body_md5}, $md5{scope}, "$how: tenant-2/$p-ok has its own body");
 
-	$c = claim("'$p-ok', request => '{\"order\": 2}'");
-	is_deeply(
-		$c,
-		{
-			outcome       => 'mismatch',
-			token         => undef,
-			attempt       => undef,
-			status        => undef,
-			response_code => undef,
-			body_md5      => undef,
-			retry_after   => undef
-		},
+	$c = claim($node, 'postgres', "'$p-ok', request => '{\"order\": 2}'");
+	is_deeply($c, mismatch_row(),
 		"$how: $p-ok with another request is a mismatch (fingerprint kept)");
 
-	$c = claim("'$p-pend-long', request => '{\"job\": 1}'");
+	$c = claim($node, 'postgres', "'$p-pend-long', request => '{\"job\": 1}'");
 	is($c->{outcome}, 'in_progress', "$how: $p-pend-long is still in progress");
 	is($c->{token},   undef,         "$how: in_progress carries no token");
 	cmp_ok($c->{retry_after}, '>', 1, "$how: $p-pend-long retry_after counts its long lease");
@@ -287,7 +199,7 @@ sub verify
 			  . "FROM idempotency.idem_lookup('$p-pend-short')"),
 		'pending,1,true', "$how: $p-pend-short is still pending, attempt 1");
 
-	$c = claim("'$p-new-after-$how', lease => '1 hour'");
+	$c = claim($node, 'postgres', "'$p-new-after-$how', lease => '1 hour'");
 	is($c->{outcome}, 'claimed', "$how: a new key can be claimed");
 	is($c->{attempt}, 1,         "$how: new key attempt 1");
 	cmp_ok($c->{token}, '>', max_token(),
@@ -314,7 +226,7 @@ my $before_b = snapshot('b');
 $before_a = snapshot('a');
 
 # A committed pending claim that an open transaction is finishing at the crash.
-my $c = claim("'b-pend-fin', request => '{\"job\": 3}', lease => '1 hour'");
+my $c = claim($node, 'postgres', "'b-pend-fin', request => '{\"job\": 3}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'b-pend-fin: claimed');
 push @tokens, $c->{token};
 my $pend_fin_token = $c->{token};
@@ -331,9 +243,7 @@ is(sql("SELECT status FROM idempotency.idem_lookup('b-pend-fin')"),
 sql('CHECKPOINT');
 my $open_claim = parse_claim(
 	$open->query_safe(
-		"SELECT outcome, token, attempt, status, response_code, "
-		  . "md5(response_body::text), retry_after "
-		  . "FROM idempotency.idem_claim('b-uncommitted', lease => '1 hour')"));
+		"SELECT $CLAIM_COLS FROM idempotency.idem_claim('b-uncommitted', lease => '1 hour')"));
 is($open_claim->{outcome}, 'claimed', 'open transaction: b-uncommitted claimed');
 cmp_ok($open_claim->{token}, '>', max_token(), 'open transaction: token above every earlier token');
 my $lost_token = $open_claim->{token};
@@ -352,7 +262,7 @@ verify('b', $before_b, 'crash');
 is(lookup('', 'b-uncommitted'), '', 'b-uncommitted: absent after the crash');
 is(sql("SELECT count(*) FROM idempotency.keys WHERE key = 'b-uncommitted'"),
 	'0', 'b-uncommitted: no stored row');
-$c = claim("'b-uncommitted', lease => '1 hour'");
+$c = claim($node, 'postgres', "'b-uncommitted', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'b-uncommitted: claimed again');
 is($c->{attempt}, 1,         'b-uncommitted: as a first attempt');
 cmp_ok($c->{token}, '>', max_token(),
@@ -366,19 +276,19 @@ push @tokens, $c->{token};
 is( sql("SELECT status || ',' || attempt || ',' || (response_code IS NULL) "
 		  . "FROM idempotency.idem_lookup('b-pend-fin')"),
 	'pending,1,true', 'b-pend-fin: the finish lost in the crash left it pending');
-is(sqlstate_of(
+is(sqlstate_of($node, 'postgres',
 		"SELECT idempotency.idem_finish('b-pend-fin', $pend_fin_token, 200, $pend_body)"),
 	'00000', 'b-pend-fin: its token survived the crash and finishes it');
-$c = claim("'b-pend-fin', request => '{\"job\": 3}'");
+$c = claim($node, 'postgres', "'b-pend-fin', request => '{\"job\": 3}'");
 is($c->{outcome},  'replay',   'b-pend-fin: replays after the finish');
 is($c->{body_md5}, $md5{pend}, 'b-pend-fin: with the finished body');
 
 # A pending key's owner survives two restarts and can still finish.
-is(sqlstate_of(
+is(sqlstate_of($node, 'postgres',
 		"SELECT idempotency.idem_finish('a-pend-long', $pending_token{'/a-pend-long'}, "
 		  . "200, $pend_body)"),
 	'00000', 'a-pend-long: the pre-restart token still finishes the key');
-$c = claim("'a-pend-long', request => '{\"job\": 1}'");
+$c = claim($node, 'postgres', "'a-pend-long', request => '{\"job\": 1}'");
 is($c->{outcome},       'replay',   'a-pend-long: replays');
 is($c->{response_code}, 200,        'a-pend-long: response code');
 is($c->{body_md5},      $md5{pend}, 'a-pend-long: body');
@@ -389,9 +299,9 @@ foreach my $p ('a', 'b')
 {
 	my $key = "$p-pend-short";
 	my $old = $pending_token{"/$key"};
-	wait_lease_over('', $key);
+	ok(wait_lease_over($node, 'postgres', '', $key), "lease of /$key has ended");
 
-	$c = claim("'$key', request => '{\"job\": 2}', lease => '1 hour'");
+	$c = claim($node, 'postgres', "'$key', request => '{\"job\": 2}', lease => '1 hour'");
 	is($c->{outcome}, 'claimed', "$key: taken over after its lease");
 	is($c->{attempt}, 2,         "$key: attempt 2");
 	cmp_ok($c->{token}, '>', max_token(), "$key: takeover token above every earlier token");
@@ -399,18 +309,20 @@ foreach my $p ('a', 'b')
 	push @tokens, $c->{token};
 	my $new = $c->{token};
 
-	my $row = stored_row('', $key);
-	is(sqlstate_of("SELECT idempotency.idem_finish('$key', $old, 200, $pend_body)"),
+	my $row = stored_row($node, 'postgres', '', $key);
+	is( sqlstate_of($node, 'postgres',
+			"SELECT idempotency.idem_finish('$key', $old, 200, $pend_body)"),
 		'55006', "$key: the pre-crash token is dead (55006)");
-	is(stored_row('', $key), $row, "$key: the dead token's finish changed nothing");
+	is(stored_row($node, 'postgres', '', $key), $row,
+		"$key: the dead token's finish changed nothing");
 	is( sql("SELECT status || ',' || token || ',' || attempt FROM idempotency.keys "
 			  . "WHERE scope = '' AND key = '$key'"),
 		"pending,$new,2", "$key: stored row is pending with the new token, attempt 2");
 
-	is(sqlstate_of(
+	is(sqlstate_of($node, 'postgres',
 			"SELECT idempotency.idem_finish('$key', $new, 200, $pend_body, status => 'succeeded')"),
 		'00000', "$key: the new owner finishes it");
-	$c = claim("'$key', request => '{\"job\": 2}'");
+	$c = claim($node, 'postgres', "'$key', request => '{\"job\": 2}'");
 	is($c->{outcome},  'replay',   "$key: replays the new owner's result");
 	is($c->{body_md5}, $md5{pend}, "$key: with its body");
 	is(sql("SELECT attempt FROM idempotency.idem_lookup('$key')"),
@@ -428,7 +340,7 @@ is( sql("SELECT string_agg(concat_ws(',', scope, key, status, token, attempt, "
 		  . "response_code, md5(response_body::text), expires_at), E'\\n' "
 		  . "ORDER BY scope, key) FROM idempotency.keys"),
 	$before_final, 'second crash: every stored key is unchanged');
-$c = claim("'final', lease => '1 hour'");
+$c = claim($node, 'postgres', "'final', lease => '1 hour'");
 cmp_ok($c->{token}, '>', max_token(), 'second crash: token sequence continues upwards');
 
 $node->stop;

@@ -12,75 +12,22 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
+use List::Util qw(max);
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('kill', port => 55442);
-$node->init;
-$node->append_conf('postgresql.conf',
-	"shared_preload_libraries = 'idempotency'\nrestart_after_crash = on\n");
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+my $node = new_node('kill', port => 55442, conf => ['restart_after_crash = on'],
+	extension => 1);
 
 # Every token the server has handed out so far, committed or not.
 my @tokens;
+sub max_token { return max(0, @tokens); }
 
-sub max_token
-{
-	my $max = 0;
-	foreach (@tokens) { $max = $_ if $_ > $max; }
-	return $max;
-}
-
-sub sql
-{
-	my ($sql) = @_;
-	return $node->safe_psql('postgres', $sql);
-}
-
-my $claim_cols =
-  "outcome, token, attempt, status, response_code, md5(response_body::text), retry_after";
-
-# The claim's outcome row as a hash; SQL NULL becomes undef.
-sub parse_claim
-{
-	my ($line) = @_;
-	my @f = split /\|/, $line, -1;
-	die "unexpected idem_claim output: '$line'" unless @f == 7;
-	my %r;
-	@r{qw(outcome token attempt status response_code body_md5 retry_after)} =
-	  map { $_ eq '' ? undef : $_ } @f;
-	return \%r;
-}
-
-sub claim
-{
-	my ($args) = @_;
-	return parse_claim(
-		sql("SELECT $claim_cols FROM idempotency.idem_claim($args)"));
-}
-
-# The SQLSTATE an SQL command ends with ('00000' when it succeeds).
-sub sqlstate_of
-{
-	my ($cmd) = @_;
-	my ($ret, $out, $err) =
-	  $node->psql('postgres', "\\set VERBOSITY verbose\n$cmd;");
-	return '00000' if $ret == 0 && $err !~ /ERROR/;
-	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
-	return "no SQLSTATE (ret $ret): $err";
-}
-
-sub stored_row
-{
-	my ($key) = @_;
-	return sql(
-		"SELECT status, token, attempt, encode(fingerprint, 'hex'), "
-		  . "response_code, md5(response_body::text), created_at, finished_at, "
-		  . "lease_until, expires_at, retention, sweep_at "
-		  . "FROM idempotency.keys WHERE scope = '' AND key = '$key'");
-}
+sub sql { return $node->safe_psql('postgres', $_[0]); }
 
 sub lookup_summary
 {
@@ -88,16 +35,6 @@ sub lookup_summary
 	return sql(
 		"SELECT status || ',' || attempt || ',' || coalesce(response_code::text, 'null') "
 		  . "FROM idempotency.idem_lookup('$key')");
-}
-
-sub wait_lease_over
-{
-	my ($key) = @_;
-	ok( $node->poll_query_until(
-			'postgres',
-			"SELECT coalesce(lease_until < clock_timestamp(), true) "
-			  . "FROM idempotency.keys WHERE scope = '' AND key = '$key'"),
-		"lease of $key has ended");
 }
 
 # kill -9 one backend; wait until the postmaster has reinitialized, recovered
@@ -121,42 +58,42 @@ my $failed_body = q{'{"error": "card declined"}'};
 my $late_body   = q{'{"from": "the dead session"}'};
 my $new_body    = q{'{"from": "the new owner"}'};
 my %md5;
-$md5{done}   = sql("SELECT md5(($done_body)::jsonb::text)");
-$md5{failed} = sql("SELECT md5(($failed_body)::jsonb::text)");
-$md5{late}   = sql("SELECT md5(($late_body)::jsonb::text)");
-$md5{new}    = sql("SELECT md5(($new_body)::jsonb::text)");
+$md5{done}   = body_md5($node, 'postgres', $done_body);
+$md5{failed} = body_md5($node, 'postgres', $failed_body);
+$md5{late}   = body_md5($node, 'postgres', $late_body);
+$md5{new}    = body_md5($node, 'postgres', $new_body);
 
 ###############################################################################
 # Part 1: kill -9 in the middle of an in-transaction claim
 ###############################################################################
 
-my $c = claim("'done', request => '{\"n\": 1}', lease => '1 hour'");
+my $c = claim($node, 'postgres', "'done', request => '{\"n\": 1}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'done: claimed');
 push @tokens, $c->{token};
 sql("SELECT idempotency.idem_finish('done', $c->{token}, 200, $done_body)");
 
-$c = claim("'failed', request => '{\"n\": 2}', lease => '1 hour'");
+$c = claim($node, 'postgres', "'failed', request => '{\"n\": 2}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'failed: claimed');
 push @tokens, $c->{token};
 sql("SELECT idempotency.idem_finish('failed', $c->{token}, 402, $failed_body, "
 	  . "status => 'failed', retention => '2 days')");
 
 # A committed claim whose lease runs out: the killed transaction takes it over.
-$c = claim("'expired', request => '{\"n\": 3}', lease => '1 second'");
+$c = claim($node, 'postgres', "'expired', request => '{\"n\": 3}', lease => '1 second'");
 is($c->{outcome}, 'claimed', 'expired: claimed');
 push @tokens, $c->{token};
 my $expired_token = $c->{token};
 
 # A committed claim with a long lease: the killed transaction finishes it.
-$c = claim("'pend-fin', request => '{\"n\": 4}', lease => '1 hour'");
+$c = claim($node, 'postgres', "'pend-fin', request => '{\"n\": 4}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'pend-fin: claimed');
 push @tokens, $c->{token};
 my $pend_fin_token = $c->{token};
 
-wait_lease_over('expired');
+ok(wait_lease_over($node, 'postgres', '', 'expired'), 'lease of expired has ended');
 
 my %before;
-$before{$_} = stored_row($_) foreach ('done', 'failed', 'pend-fin');
+$before{$_} = stored_row($node, 'postgres', '', $_) foreach ('done', 'failed', 'pend-fin');
 my $expired_before = sql(
 	"SELECT status, attempt, encode(fingerprint, 'hex'), created_at "
 	  . "FROM idempotency.keys WHERE key = 'expired'");
@@ -166,14 +103,14 @@ my $sa_pid = $sa->query_safe('SELECT pg_backend_pid()');
 $sa->query_safe('BEGIN');
 
 my $sa_fin = parse_claim($sa->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('fresh-fin', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('fresh-fin', lease => '1 hour')"));
 is($sa_fin->{outcome}, 'claimed', 'killed txn: fresh-fin claimed');
 cmp_ok($sa_fin->{token}, '>', max_token(), 'killed txn: fresh-fin token above earlier tokens');
 $sa->query_safe(
 	"SELECT idempotency.idem_finish('fresh-fin', $sa_fin->{token}, 200, $late_body)");
 
 my $sa_takeover = parse_claim($sa->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('expired', request => '{\"n\": 3}', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('expired', request => '{\"n\": 3}', lease => '1 hour')"));
 is($sa_takeover->{outcome}, 'claimed', 'killed txn: expired taken over');
 is($sa_takeover->{attempt}, 2,         'killed txn: takeover is attempt 2');
 
@@ -186,7 +123,7 @@ $sa->query_safe(
 # token is issued again.
 sql('CHECKPOINT');
 my $sa_fresh = parse_claim($sa->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('fresh', request => '{\"n\": 5}', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('fresh', request => '{\"n\": 5}', lease => '1 hour')"));
 is($sa_fresh->{outcome}, 'claimed', 'killed txn: fresh claimed');
 is($sa_fresh->{attempt}, 1,         'killed txn: fresh attempt 1');
 cmp_ok($sa_fresh->{token}, '>', $sa_takeover->{token}, 'killed txn: fresh token above earlier tokens');
@@ -194,7 +131,7 @@ cmp_ok($sa_fresh->{token}, '>', $sa_takeover->{token}, 'killed txn: fresh token 
 my @killed_tokens = ($sa_fresh->{token}, $sa_fin->{token}, $sa_takeover->{token});
 
 # While the transaction is open, the others see none of it.
-$c = claim("'fresh', request => '{\"n\": 5}'");
+$c = claim($node, 'postgres', "'fresh', request => '{\"n\": 5}'");
 is($c->{outcome},     'in_progress', 'open txn: fresh is in_progress for others');
 is($c->{retry_after}, 1,             'open txn: retry_after 1 for an uncommitted claim');
 is(sql("SELECT count(*) FROM idempotency.idem_lookup('fresh')"),
@@ -213,7 +150,7 @@ foreach my $key ('fresh', 'fresh-fin')
 	is(sql("SELECT count(*) FROM idempotency.keys WHERE key = '$key'"),
 		'0', "after kill: $key has no stored row");
 }
-$c = claim("'fresh', request => '{\"n\": 5}', lease => '1 hour'");
+$c = claim($node, 'postgres', "'fresh', request => '{\"n\": 5}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'after kill: fresh is claimed');
 is($c->{attempt}, 1,         'after kill: fresh as a first attempt');
 cmp_ok($c->{token}, '>', max_token(), 'after kill: new token above every committed token');
@@ -225,22 +162,24 @@ foreach my $t (@killed_tokens)
 push @tokens, @killed_tokens, $c->{token};
 my $fresh_token = $c->{token};
 
-$c = claim("'fresh-fin', request => '{\"other\": true}', lease => '1 hour'");
+$c = claim($node, 'postgres',
+	"'fresh-fin', request => '{\"other\": true}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'after kill: fresh-fin is claimed, with any payload');
 is($c->{attempt}, 1,         'after kill: fresh-fin as a first attempt');
 cmp_ok($c->{token}, '>', max_token(), 'after kill: fresh-fin token above every earlier token');
 push @tokens, $c->{token};
 
 # Committed keys are intact.
-is(stored_row($_), $before{$_}, "after kill: stored row of $_ unchanged")
+is(stored_row($node, 'postgres', '', $_), $before{$_},
+	"after kill: stored row of $_ unchanged")
   foreach ('done', 'failed', 'pend-fin');
 
-$c = claim("'done', request => '{\"n\": 1}'");
+$c = claim($node, 'postgres', "'done', request => '{\"n\": 1}'");
 is_deeply(
 	[ @$c{qw(outcome status response_code body_md5 token)} ],
 	[ 'replay', 'succeeded', 200, $md5{done}, undef ],
 	'after kill: done replays its stored success');
-$c = claim("'failed', request => '{\"n\": 2}'");
+$c = claim($node, 'postgres', "'failed', request => '{\"n\": 2}'");
 is_deeply(
 	[ @$c{qw(outcome status response_code body_md5 token)} ],
 	[ 'replay', 'failed', 402, $md5{failed}, undef ],
@@ -253,21 +192,25 @@ is( sql("SELECT status, attempt, encode(fingerprint, 'hex'), created_at "
 is(lookup_summary('expired'), 'pending,1,null', 'after kill: expired is pending, attempt 1');
 
 # ... so the next takeover is attempt 2, not 3, and both older tokens are dead.
-$c = claim("'expired', request => '{\"n\": 3}', lease => '1 hour'");
+$c = claim($node, 'postgres', "'expired', request => '{\"n\": 3}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'after kill: expired is taken over');
 is($c->{attempt}, 2,         'after kill: takeover is attempt 2');
 cmp_ok($c->{token}, '>', max_token(), 'after kill: takeover token above every earlier token');
 push @tokens, $c->{token};
 my $expired_new = $c->{token};
-my $row = stored_row('expired');
-is(sqlstate_of("SELECT idempotency.idem_finish('expired', $expired_token, 200, $late_body)"),
+my $row = stored_row($node, 'postgres', '', 'expired');
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_finish('expired', $expired_token, 200, $late_body)"),
 	'55006', 'after kill: the first owner\'s token is dead (55006)');
-is(sqlstate_of("SELECT idempotency.idem_finish('expired', $sa_takeover->{token}, 200, $late_body)"),
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_finish('expired', $sa_takeover->{token}, 200, $late_body)"),
 	'55006', 'after kill: the killed takeover\'s token is dead (55006)');
-is(stored_row('expired'), $row, 'after kill: the dead finishes changed nothing');
-is(sqlstate_of("SELECT idempotency.idem_finish('expired', $expired_new, 201, $new_body)"),
+is(stored_row($node, 'postgres', '', 'expired'), $row,
+	'after kill: the dead finishes changed nothing');
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_finish('expired', $expired_new, 201, $new_body)"),
 	'00000', 'after kill: the new owner finishes expired');
-$c = claim("'expired', request => '{\"n\": 3}'");
+$c = claim($node, 'postgres', "'expired', request => '{\"n\": 3}'");
 is_deeply(
 	[ @$c{qw(outcome status response_code body_md5)} ],
 	[ 'replay', 'succeeded', 201, $md5{new} ],
@@ -275,12 +218,13 @@ is_deeply(
 
 # The killed finish is undone: pend-fin is pending and its token still current.
 is(lookup_summary('pend-fin'), 'pending,1,null', 'after kill: pend-fin still pending');
-$c = claim("'pend-fin', request => '{\"n\": 4}'");
+$c = claim($node, 'postgres', "'pend-fin', request => '{\"n\": 4}'");
 is($c->{outcome}, 'in_progress', 'after kill: pend-fin is in progress (lease 1 hour)');
 cmp_ok($c->{retry_after}, '>', 1, 'after kill: pend-fin retry_after counts its lease');
-is(sqlstate_of("SELECT idempotency.idem_finish('pend-fin', $pend_fin_token, 200, $late_body)"),
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_finish('pend-fin', $pend_fin_token, 200, $late_body)"),
 	'00000', 'after kill: pend-fin is finished with its pre-crash token');
-$c = claim("'pend-fin', request => '{\"n\": 4}'");
+$c = claim($node, 'postgres', "'pend-fin', request => '{\"n\": 4}'");
 is_deeply(
 	[ @$c{qw(outcome status response_code body_md5)} ],
 	[ 'replay', 'succeeded', 200, $md5{late} ],
@@ -293,12 +237,12 @@ is_deeply(
 my $sb = $node->background_psql('postgres');
 my $sb_pid = $sb->query_safe('SELECT pg_backend_pid()');
 my $sb_auto = parse_claim($sb->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('auto', request => '{\"n\": 6}', lease => '1 second')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('auto', request => '{\"n\": 6}', lease => '1 second')"));
 is($sb_auto->{outcome}, 'claimed', 'autocommit: auto claimed');
 is($sb_auto->{attempt}, 1,         'autocommit: auto attempt 1');
 cmp_ok($sb_auto->{token}, '>', max_token(), 'autocommit: auto token above earlier tokens');
 my $sb_long = parse_claim($sb->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('auto-long', request => '{\"n\": 7}', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('auto-long', request => '{\"n\": 7}', lease => '1 hour')"));
 is($sb_long->{outcome}, 'claimed', 'autocommit: auto-long claimed');
 push @tokens, $sb_auto->{token}, $sb_long->{token};
 
@@ -313,17 +257,18 @@ is( sql("SELECT token FROM idempotency.keys WHERE key = 'auto-long'"),
 
 # auto-long: its lease is live, so a retry waits its turn, and the token
 # survived: a finish from the (restarted) owner goes through.
-$c = claim("'auto-long', request => '{\"n\": 7}'");
+$c = claim($node, 'postgres', "'auto-long', request => '{\"n\": 7}'");
 is($c->{outcome}, 'in_progress', 'after kill: auto-long is in progress');
 is($c->{token},   undef,         'after kill: in_progress carries no token');
 cmp_ok($c->{retry_after}, '>', 1, 'after kill: auto-long retry_after counts its lease');
-is(sqlstate_of("SELECT idempotency.idem_finish('auto-long', $sb_long->{token}, 200, $late_body)"),
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_finish('auto-long', $sb_long->{token}, 200, $late_body)"),
 	'00000', 'after kill: auto-long finished with the pre-crash token');
 is(lookup_summary('auto-long'), 'succeeded,1,200', 'after kill: auto-long succeeded');
 
 # auto: after its lease, the next claim takes over with attempt 2.
-wait_lease_over('auto');
-$c = claim("'auto', request => '{\"n\": 6}', lease => '1 hour'");
+ok(wait_lease_over($node, 'postgres', '', 'auto'), 'lease of auto has ended');
+$c = claim($node, 'postgres', "'auto', request => '{\"n\": 6}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'after kill: auto is taken over after its lease');
 is($c->{attempt}, 2,         'after kill: takeover is attempt 2');
 cmp_ok($c->{token}, '>', max_token(), 'after kill: takeover token above every earlier token');
@@ -332,23 +277,28 @@ my $auto_new = $c->{token};
 is( sql("SELECT status || ',' || token || ',' || attempt FROM idempotency.keys WHERE key = 'auto'"),
 	"pending,$auto_new,2", 'after kill: stored row has the new token and attempt 2');
 
-$row = stored_row('auto');
-is(sqlstate_of("SELECT idempotency.idem_finish('auto', $sb_auto->{token}, 200, $late_body)"),
+$row = stored_row($node, 'postgres', '', 'auto');
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_finish('auto', $sb_auto->{token}, 200, $late_body)"),
 	'55006', 'after kill: the dead token\'s finish raises 55006');
-is(sqlstate_of("SELECT idempotency.idem_extend('auto', $sb_auto->{token}, '1 hour')"),
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_extend('auto', $sb_auto->{token}, '1 hour')"),
 	'55006', 'after kill: the dead token\'s extend raises 55006');
-is(sqlstate_of("SELECT idempotency.idem_release('auto', $sb_auto->{token})"),
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_release('auto', $sb_auto->{token})"),
 	'55006', 'after kill: the dead token\'s release raises 55006');
-is(stored_row('auto'), $row, 'after kill: the dead token changed nothing');
+is(stored_row($node, 'postgres', '', 'auto'), $row,
+	'after kill: the dead token changed nothing');
 
-$c = claim("'auto', request => '{\"n\": 6}'");
+$c = claim($node, 'postgres', "'auto', request => '{\"n\": 6}'");
 is($c->{outcome}, 'in_progress', 'after kill: auto is in progress under its new owner');
-$c = claim("'auto', request => '{\"n\": 666}'");
+$c = claim($node, 'postgres', "'auto', request => '{\"n\": 666}'");
 is($c->{outcome}, 'mismatch', 'after kill: auto with another request is a mismatch');
 
-is(sqlstate_of("SELECT idempotency.idem_finish('auto', $auto_new, 200, $new_body)"),
+is( sqlstate_of($node, 'postgres',
+		"SELECT idempotency.idem_finish('auto', $auto_new, 200, $new_body)"),
 	'00000', 'after kill: the new owner finishes auto');
-$c = claim("'auto', request => '{\"n\": 6}'");
+$c = claim($node, 'postgres', "'auto', request => '{\"n\": 6}'");
 is_deeply(
 	[ @$c{qw(outcome status response_code body_md5)} ],
 	[ 'replay', 'succeeded', 200, $md5{new} ],
@@ -370,7 +320,7 @@ ok( $node->poll_query_until(
 	'mid-statement: the claiming statement is running');
 is(sql("SELECT count(*) FROM idempotency.idem_lookup('mid')"), '0',
 	'mid-statement: the running claim is invisible');
-$c = claim("'mid'");
+$c = claim($node, 'postgres', "'mid'");
 is($c->{outcome}, 'in_progress', 'mid-statement: others get in_progress');
 
 kill_backend($m_pid, 'running statement');
@@ -378,7 +328,7 @@ eval { $m->quit; };
 
 is(sql("SELECT count(*) FROM idempotency.keys WHERE key = 'mid'"), '0',
 	'after kill: the interrupted claim left no row');
-$c = claim("'mid', lease => '1 hour'");
+$c = claim($node, 'postgres', "'mid', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'after kill: mid is claimed');
 is($c->{attempt}, 1,         'after kill: mid as a first attempt');
 cmp_ok($c->{token}, '>', max_token(), 'after kill: token above every earlier token');

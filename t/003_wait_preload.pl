@@ -13,48 +13,22 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(usleep);
 
-my $node = PostgreSQL::Test::Cluster->new('wait', port => 55443);
-$node->init;
-$node->append_conf('postgresql.conf',
-	"shared_preload_libraries = 'idempotency'\nrestart_after_crash = on\n");
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-
-my $claim_cols =
-  "outcome, token, attempt, status, response_code, md5(response_body::text), retry_after";
+my $node = new_node('wait', port => 55443, conf => ['restart_after_crash = on'],
+	extension => 1);
 
 # How long a waiter waits at most: long enough never to be what ends a wait
 # in these tests, short enough to fail (not hang) if a wake-up is lost.
 my $wait = "'2 min'";
 
-sub sql
-{
-	my ($sql) = @_;
-	return $node->safe_psql('postgres', $sql);
-}
-
-sub parse_claim
-{
-	my ($line) = @_;
-	my @f = split /\|/, $line, -1;
-	return { outcome => "unexpected output: '$line'" } unless @f == 7;
-	my %r;
-	@r{qw(outcome token attempt status response_code body_md5 retry_after)} =
-	  map { $_ eq '' ? undef : $_ } @f;
-	return \%r;
-}
-
-sub claim
-{
-	my ($args) = @_;
-	return parse_claim(
-		sql("SELECT $claim_cols FROM idempotency.idem_claim($args)"));
-}
+sub sql { return $node->safe_psql('postgres', $_[0]); }
 
 # An open session that holds keys in a transaction.
 sub session
@@ -70,7 +44,7 @@ sub start_waiter
 	my $s   = $node->background_psql('postgres', on_error_stop => 0);
 	my $pid = $s->query_safe('SELECT pg_backend_pid()');
 	my $buf = $s->query_until(qr/waiting\n/,
-		"\\echo waiting\nSELECT $claim_cols FROM idempotency.idem_claim($args);\n\\echo done\n");
+		"\\echo waiting\nSELECT $CLAIM_COLS FROM idempotency.idem_claim($args);\n\\echo done\n");
 	my $w = { name => $name, s => $s, pid => $pid, buf => $buf };
 	ok( $node->poll_query_until(
 			'postgres',
@@ -101,7 +75,8 @@ sub poll_waiter
 	my $text = $w->{buf};
 	$text =~ s/^waiting\n//;
 	$text =~ s/\n?done\n.*//s;
-	return parse_claim($text);
+	# (lenient: a waiter that printed something else fails its checks.)
+	return parse_claim($text, lenient => 1);
 }
 
 # Block until the waiter returns; its outcome row.
@@ -120,29 +95,19 @@ sub waiter_result
 }
 
 my $body     = q{'{"shipped": true}'};
-my $body_md5 = sql("SELECT md5(($body)::jsonb::text)");
+my $body_md5 = body_md5($node, 'postgres', $body);
 
 # --- the owner finishes (autocommit) ---------------------------------------
-my $c = claim("'finish', request => '{\"n\": 1}', lease => '1 hour'");
+my $c = claim($node, 'postgres', "'finish', request => '{\"n\": 1}', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'finish: owner claimed');
 my $w = start_waiter('finish', "'finish', request => '{\"n\": 1}', wait => $wait");
 still_waiting($w, 'the owner has not finished');
 sql("SELECT idempotency.idem_finish('finish', $c->{token}, 200, $body)");
-is_deeply(
-	waiter_result($w),
-	{
-		outcome       => 'replay',
-		token         => undef,
-		attempt       => undef,
-		status        => 'succeeded',
-		response_code => 200,
-		body_md5      => $body_md5,
-		retry_after   => undef
-	},
+is_deeply(waiter_result($w), replay_row('succeeded', 200, $body_md5),
 	'finish: the waiter replays the stored result');
 
 # --- the owner fails (autocommit) ------------------------------------------
-$c = claim("'fail', lease => '1 hour'");
+$c = claim($node, 'postgres', "'fail', lease => '1 hour'");
 $w = start_waiter('fail', "'fail', wait => $wait");
 sql("SELECT idempotency.idem_finish('fail', $c->{token}, 503, $body, status => 'failed')");
 my $r = waiter_result($w);
@@ -151,7 +116,7 @@ is_deeply([ @$r{qw(outcome status response_code body_md5)} ],
 	'fail: the waiter replays the stored failure');
 
 # --- the owner releases: the waiter claims a fresh first attempt ------------
-$c = claim("'release', request => '{\"n\": 2}', lease => '1 hour'");
+$c = claim($node, 'postgres', "'release', request => '{\"n\": 2}', lease => '1 hour'");
 $w = start_waiter('release', "'release', request => '{\"n\": 2}', lease => '1 hour', wait => $wait");
 still_waiting($w, 'the owner has not released');
 sql("SELECT idempotency.idem_release('release', $c->{token})");
@@ -166,7 +131,7 @@ is( sql("SELECT status || ',' || token || ',' || attempt FROM idempotency.keys W
 my $o = session();
 $o->query_safe('BEGIN');
 my $oc = parse_claim($o->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('txn', request => '{\"n\": 4}', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('txn', request => '{\"n\": 4}', lease => '1 hour')"));
 is($oc->{outcome}, 'claimed', 'txn: owner claimed in its transaction');
 $w = start_waiter('txn', "'txn', request => '{\"n\": 4}', wait => $wait");
 still_waiting($w, 'the owner\'s transaction is open');
@@ -181,7 +146,7 @@ is_deeply([ @$r{qw(outcome status response_code body_md5 token)} ],
 # --- an open transaction claims, then rolls back ----------------------------
 $o->query_safe('BEGIN');
 $oc = parse_claim($o->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('rollback', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('rollback', lease => '1 hour')"));
 is($oc->{outcome}, 'claimed', 'rollback: owner claimed in its transaction');
 $w = start_waiter('rollback', "'rollback', request => '{\"n\": 5}', lease => '1 hour', wait => $wait");
 still_waiting($w, 'the owner\'s transaction is open');
@@ -195,7 +160,7 @@ cmp_ok($r->{token}, '>', $oc->{token}, 'rollback: with a token above the rolled-
 $o->query_safe('BEGIN');
 $o->query_safe('SAVEPOINT s1');
 $oc = parse_claim($o->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('savepoint', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('savepoint', lease => '1 hour')"));
 is($oc->{outcome}, 'claimed', 'savepoint: owner claimed after a savepoint');
 $w = start_waiter('savepoint', "'savepoint', lease => '1 hour', wait => $wait");
 $o->query_safe('ROLLBACK TO SAVEPOINT s1');
@@ -210,27 +175,18 @@ is( sql("SELECT token || ',' || attempt FROM idempotency.keys WHERE key = 'savep
 # --- open transaction claims with another request: mismatch at COMMIT -------
 $o->query_safe('BEGIN');
 $oc = parse_claim($o->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('other', request => '{\"n\": 6}', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('other', request => '{\"n\": 6}', lease => '1 hour')"));
 $w = start_waiter('other', "'other', request => '{\"n\": 7}', wait => $wait");
 still_waiting($w, 'the owner\'s transaction is open');
 $o->query_safe('COMMIT');
 $r = waiter_result($w);
-is_deeply($r,
-	{
-		outcome       => 'mismatch',
-		token         => undef,
-		attempt       => undef,
-		status        => undef,
-		response_code => undef,
-		body_md5      => undef,
-		retry_after   => undef
-	},
+is_deeply($r, mismatch_row(),
 	'other: after the commit the waiter learns its request differs');
 
 # --- committed claim without finish: the waiter takes over at the lease end -
 $o->query_safe('BEGIN');
 $oc = parse_claim($o->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('lease', request => '{\"n\": 8}', lease => '2 seconds')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('lease', request => '{\"n\": 8}', lease => '2 seconds')"));
 $w = start_waiter('lease', "'lease', request => '{\"n\": 8}', lease => '1 hour', wait => $wait");
 $o->query_safe('COMMIT');
 $r = waiter_result($w);
@@ -244,7 +200,7 @@ is(sql("SELECT status || ',' || attempt FROM idempotency.idem_lookup('lease')"),
 	'succeeded,2', 'lease: the key succeeded at attempt 2');
 
 # --- two waiters: one claims after the release, the other replays -----------
-$c = claim("'two', lease => '1 hour'");
+$c = claim($node, 'postgres', "'two', lease => '1 hour'");
 my $w1 = start_waiter('two-1', "'two', lease => '1 hour', wait => $wait");
 my $w2 = start_waiter('two-2', "'two', lease => '1 hour', wait => $wait");
 sql("SELECT idempotency.idem_release('two', $c->{token})");
@@ -289,7 +245,7 @@ ok($node->poll_query_until('postgres', 'SELECT 1', '1'),
 $o = session();
 $o->query_safe('BEGIN');
 $oc = parse_claim($o->query_safe(
-	"SELECT $claim_cols FROM idempotency.idem_claim('after-crash', request => '{\"n\": 9}', lease => '1 hour')"));
+	"SELECT $CLAIM_COLS FROM idempotency.idem_claim('after-crash', request => '{\"n\": 9}', lease => '1 hour')"));
 is($oc->{outcome}, 'claimed', 'after-crash: owner claimed in its transaction');
 $w = start_waiter('after-crash', "'after-crash', request => '{\"n\": 9}', wait => $wait");
 still_waiting($w, 'the owner\'s transaction is open');

@@ -18,48 +18,21 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('sweeps', port => 55444);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '300ms'
-EOF
-$node->start;
+my $node = new_node('sweeps', port => 55444,
+	conf => ["idempotency.sweep_interval = '300ms'"]);
 
-sub sql
-{
-	my ($db, $sql) = @_;
-	return $node->safe_psql($db, $sql);
-}
-
-# The SQLSTATE an SQL command ends with ('00000' when it succeeds).
-sub sqlstate_of
-{
-	my ($db, $cmd) = @_;
-	my ($ret, $out, $err) =
-	  $node->psql($db, "\\set VERBOSITY verbose\n$cmd;");
-	return '00000' if $ret == 0 && $err !~ /ERROR/;
-	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
-	return "no SQLSTATE (ret $ret): $err";
-}
-
-# Claim a key; returns (outcome, token, attempt).
-sub claim
-{
-	my ($db, $args) = @_;
-	return split /\|/,
-	  sql($db,
-		"SELECT outcome, token, attempt FROM idempotency.idem_claim($args)"),
-	  -1;
-}
+sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
 # Every column of a stored key but sweep_at (the worker's own schedule, which
 # it may move), as one line ('' when the key is absent).
-sub stored_row
+sub row_but_sweep_at
 {
 	my ($db, $key) = @_;
 	return sql($db,
@@ -88,13 +61,7 @@ sub wait_rounds
 	my ($n) = @_;
 	for my $i (1 .. $n)
 	{
-		my $last = sql('postgres',
-			"SELECT coalesce(last_sweep_at, '-infinity') FROM idempotency.stats "
-			  . "WHERE database = 'postgres'");
-		ok( $node->poll_query_until(
-				'postgres',
-				"SELECT last_sweep_at > '$last' FROM idempotency.stats "
-				  . "WHERE database = 'postgres'"),
+		ok(wait_next_sweep($node, 'postgres'),
 			"the worker swept database postgres again (round $i of $n)");
 	}
 }
@@ -107,59 +74,59 @@ sub populate
 {
 	my ($db) = @_;
 	my %tok;
-	my ($o, $t, $a);
+	my $c;
 
 	# Three finished keys whose retention is short: the worker expires them.
 	for my $i (1 .. 3)
 	{
-		($o, $t, $a) = claim($db,
+		$c = claim($node, $db,
 			"'exp-$i', request => '{\"i\": $i}', lease => '1 second', "
 			  . "retention => '1 second'");
-		is($o, 'claimed', "$db: exp-$i claimed");
+		is($c->{outcome}, 'claimed', "$db: exp-$i claimed");
 		my $status = $i == 3 ? 'failed' : 'succeeded';
 		sql($db,
-			"SELECT idempotency.idem_finish('exp-$i', $t, 200, '{\"n\": $i}', "
+			"SELECT idempotency.idem_finish('exp-$i', $c->{token}, 200, '{\"n\": $i}', "
 			  . "status => '$status')");
 	}
 
 	# Retention shorter than the lease it was claimed with, and longer:
 	# both are deleted once past retention (whenever the worker looks).
-	($o, $t, $a) = claim($db, "'exp-longlease', lease => '3 seconds'");
-	is($o, 'claimed', "$db: exp-longlease claimed");
+	$c = claim($node, $db, "'exp-longlease', lease => '3 seconds'");
+	is($c->{outcome}, 'claimed', "$db: exp-longlease claimed");
 	sql($db,
-		"SELECT idempotency.idem_finish('exp-longlease', $t, 200, "
+		"SELECT idempotency.idem_finish('exp-longlease', $c->{token}, 200, "
 		  . "retention => '1 second')");
-	($o, $t, $a) = claim($db, "'exp-resched', lease => '1 second'");
-	is($o, 'claimed', "$db: exp-resched claimed");
+	$c = claim($node, $db, "'exp-resched', lease => '1 second'");
+	is($c->{outcome}, 'claimed', "$db: exp-resched claimed");
 	sql($db,
-		"SELECT idempotency.idem_finish('exp-resched', $t, 200, "
+		"SELECT idempotency.idem_finish('exp-resched', $c->{token}, 200, "
 		  . "retention => '3 seconds')");
 
 	# A finished key kept for a day: the worker must not touch it.
-	($o, $t, $a) = claim($db, "'keep', request => '{\"k\": 1}'");
-	is($o, 'claimed', "$db: keep claimed");
+	$c = claim($node, $db, "'keep', request => '{\"k\": 1}'");
+	is($c->{outcome}, 'claimed', "$db: keep claimed");
 	sql($db,
-		"SELECT idempotency.idem_finish('keep', $t, 201, "
+		"SELECT idempotency.idem_finish('keep', $c->{token}, 201, "
 		  . "'{\"kept\": \"$db\"}', retention => '1 day')");
-	$tok{keep} = $t;
+	$tok{keep} = $c->{token};
 
 	# A pending key whose lease runs out (its retention does not): reset.
-	($o, $t, $a) = claim($db,
+	$c = claim($node, $db,
 		"'stale', request => '{\"s\": 1}', lease => '1 second', "
 		  . "retention => '1 day'");
-	is($o, 'claimed', "$db: stale claimed");
-	is($a, 1,         "$db: stale is attempt 1");
-	$tok{stale} = $t;
+	is($c->{outcome}, 'claimed', "$db: stale claimed");
+	is($c->{attempt}, 1,         "$db: stale is attempt 1");
+	$tok{stale} = $c->{token};
 
 	# A pending key under a live lease: left alone.
-	($o, $t, $a) = claim($db, "'live', request => '{\"l\": 1}', lease => '1 hour'");
-	is($o, 'claimed', "$db: live claimed");
-	$tok{live} = $t;
+	$c = claim($node, $db, "'live', request => '{\"l\": 1}', lease => '1 hour'");
+	is($c->{outcome}, 'claimed', "$db: live claimed");
+	$tok{live} = $c->{token};
 
 	# A pending key whose lease and retention both run out: deleted.
-	($o, $t, $a) = claim($db,
+	$c = claim($node, $db,
 		"'exp-pending', lease => '1 second', retention => '1 second'");
-	is($o, 'claimed', "$db: exp-pending claimed");
+	is($c->{outcome}, 'claimed', "$db: exp-pending claimed");
 
 	return \%tok;
 }
@@ -180,9 +147,9 @@ sub check_swept
 	is( sql($db, "SELECT string_agg(key, ',' ORDER BY key) FROM idempotency.keys"),
 		'keep,live,stale',
 		"$db: exactly keep, live and stale remain");
-	is(stored_row($db, 'keep'), $before->{keep},
+	is(row_but_sweep_at($db, 'keep'), $before->{keep},
 		"$db: the finished key within its retention is unchanged");
-	is(stored_row($db, 'live'), $before->{live},
+	is(row_but_sweep_at($db, 'live'), $before->{live},
 		"$db: the pending key under a live lease is unchanged (same token)");
 	is(pending_core($db, 'stale'), $before->{stale},
 		"$db: the reset key keeps status, attempt, fingerprint, times");
@@ -193,18 +160,18 @@ sub check_swept
 		"$db: the stale key is pending with no token, attempt 1");
 
 	# The worker's reset killed the old token; the next claim takes over.
-	is( sqlstate_of($db,
+	is( sqlstate_of($node, $db,
 			"SELECT idempotency.idem_finish('stale', $tok->{stale}, 200)"),
 		'55006', "$db: finish with the token the worker reset: 55006");
-	my ($o, $t, $a) = claim($db, "'stale', request => '{\"s\": 1}'");
-	is($o, 'claimed', "$db: the next claim of the reset key is claimed");
-	is($a, 2,         "$db: ... as attempt 2");
-	cmp_ok($t, '>', $tok->{live}, "$db: ... with a new, larger token");
+	my $c = claim($node, $db, "'stale', request => '{\"s\": 1}'");
+	is($c->{outcome}, 'claimed', "$db: the next claim of the reset key is claimed");
+	is($c->{attempt}, 2,         "$db: ... as attempt 2");
+	cmp_ok($c->{token}, '>', $tok->{live}, "$db: ... with a new, larger token");
 
 	# An expired key behaves as absent: a new claim is a first attempt.
-	($o, $t, $a) = claim($db, "'exp-1', request => '{\"other\": true}'");
-	is($o, 'claimed', "$db: an expired key can be claimed with another request");
-	is($a, 1,         "$db: ... as attempt 1");
+	$c = claim($node, $db, "'exp-1', request => '{\"other\": true}'");
+	is($c->{outcome}, 'claimed', "$db: an expired key can be claimed with another request");
+	is($c->{attempt}, 1,         "$db: ... as attempt 1");
 
 	is( sql($db,
 			"SELECT expired, reset, last_sweep_at IS NOT NULL, last_sweep_ms >= 0 "
@@ -223,8 +190,8 @@ for my $db (qw(alpha beta))
 	sql($db, 'CREATE EXTENSION idempotency');
 	$tok{$db} = populate($db);
 	$before{$db} = {
-		keep  => stored_row($db, 'keep'),
-		live  => stored_row($db, 'live'),
+		keep  => row_but_sweep_at($db, 'keep'),
+		live  => row_but_sweep_at($db, 'live'),
 		stale => pending_core($db, 'stale') };
 	like($before{$db}{keep}, qr/^succeeded\|$tok{$db}{keep}\|1\|/,
 		"$db: keep is stored as succeeded with its token");
@@ -237,14 +204,9 @@ for my $db (qw(alpha beta))
 # --- A database created after start-up, its extension created later ---
 
 sql('postgres', 'CREATE DATABASE gamma');
-my $gamma_commits = sql('postgres',
-	"SELECT xact_commit FROM pg_stat_database WHERE datname = 'gamma'");
 # Nobody connects to gamma: its committed transactions are the worker's
 # visits (which find no extension there yet).
-ok( $node->poll_query_until(
-		'postgres',
-		"SELECT xact_commit >= $gamma_commits + 2 FROM pg_stat_database "
-		  . "WHERE datname = 'gamma'"),
+ok(wait_commits($node, 'gamma', 2),
 	'gamma: the worker visits the new database (no extension yet)');
 wait_rounds(2);
 is( sql('postgres',
@@ -253,8 +215,8 @@ is( sql('postgres',
 sql('gamma', 'CREATE EXTENSION idempotency');
 my $gamma_tok = populate('gamma');
 my $gamma_before = {
-	keep  => stored_row('gamma', 'keep'),
-	live  => stored_row('gamma', 'live'),
+	keep  => row_but_sweep_at('gamma', 'keep'),
+	live  => row_but_sweep_at('gamma', 'live'),
 	stale => pending_core('gamma', 'stale') };
 check_swept('gamma', $gamma_tok, $gamma_before);
 
@@ -270,16 +232,11 @@ for my $db (qw(tmpl noconn))
 sql('postgres', 'ALTER DATABASE tmpl IS_TEMPLATE true');
 for my $db (qw(tmpl noconn))
 {
-	my ($o, $t, $a) = claim($db,
-		"'exp-1', lease => '1 second', retention => '2 seconds'");
-	is($o, 'claimed', "$db: exp-1 claimed");
-	sql($db, "SELECT idempotency.idem_finish('exp-1', $t, 200)");
+	is(finish_key($node, $db, 'exp-1', '2 seconds')->{outcome},
+		'claimed', "$db: exp-1 claimed");
 }
 sql('postgres', 'ALTER DATABASE noconn ALLOW_CONNECTIONS false');
-ok( $node->poll_query_until(
-		'tmpl',
-		"SELECT expires_at < clock_timestamp() FROM idempotency.keys "
-		  . "WHERE key = 'exp-1'"),
+ok(wait_past_retention($node, 'tmpl', 'exp-1'),
 	'tmpl: exp-1 is past its retention');
 # noconn's key has the same retention and was finished earlier.
 my $skipped_stats = sql('postgres',
@@ -320,9 +277,7 @@ is( sql('postgres',
 		  . "WHERE backend_type = 'idempotency launcher'"),
 	'1', 'exactly one idempotency launcher runs');
 # Client sessions are tagged with the test's name (the 55006 above is ours).
-my @bad = grep { !/101_worker_sweeps\.pl/ }
-  grep { /ERROR|FATAL|PANIC|failed/ } split /\n/, slurp_file($node->logfile);
-is(join("\n", @bad), '',
+is(log_errors($node), '',
 	'no ERROR, FATAL, PANIC or failure in the log apart from the test\'s own');
 
 $node->stop;

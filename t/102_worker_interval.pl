@@ -17,54 +17,25 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(usleep);
 
-my $node = PostgreSQL::Test::Cluster->new('interval', port => 55445);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '1h'
-EOF
-$node->start;
+my $node = new_node('interval', port => 55445,
+	conf => ["idempotency.sweep_interval = '1h'"]);
 
-sub sql
-{
-	my ($sql) = @_;
-	return $node->safe_psql('postgres', $sql);
-}
-
-sub sqlstate_of
-{
-	my ($cmd) = @_;
-	my ($ret, $out, $err) =
-	  $node->psql('postgres', "\\set VERBOSITY verbose\n$cmd;");
-	return '00000' if $ret == 0 && $err !~ /ERROR/;
-	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
-	return "no SQLSTATE (ret $ret): $err";
-}
+sub sql { return $node->safe_psql('postgres', $_[0]); }
 
 # Claim (with a short lease) and finish a key kept for $retention.
 sub finished_key
 {
 	my ($key, $retention) = @_;
-	my ($o, $t) = split /\|/,
-	  sql("SELECT outcome, token FROM idempotency.idem_claim('$key', "
-		  . "lease => '1 second', retention => '$retention')");
-	is($o, 'claimed', "$key claimed");
-	sql("SELECT idempotency.idem_finish('$key', $t, 200, '{\"key\": \"$key\"}')");
-}
-
-sub wait_past_retention
-{
-	my ($key) = @_;
-	ok( $node->poll_query_until(
-			'postgres',
-			"SELECT expires_at < clock_timestamp() FROM idempotency.keys "
-			  . "WHERE key = '$key'"),
-		"$key is past its retention");
+	my $c = finish_key($node, 'postgres', $key, $retention, qq{'{"key": "$key"}'});
+	is($c->{outcome}, 'claimed', "$key claimed");
 }
 
 sub key_count
@@ -82,8 +53,7 @@ sub last_sweep
 sub set_interval
 {
 	my ($value) = @_;
-	sql("ALTER SYSTEM SET idempotency.sweep_interval = '$value'");
-	sql('SELECT pg_reload_conf()');
+	alter_system($node, 'idempotency.sweep_interval', $value);
 	ok( $node->poll_query_until('postgres',
 			'SHOW idempotency.sweep_interval', $value),
 		"sweep_interval is now $value");
@@ -96,9 +66,9 @@ is( sql("SELECT boot_val, unit, context FROM pg_settings "
 	'60000|ms|sighup',
 	'sweep_interval: default 60000 ms, sighup');
 is(sql('SHOW idempotency.sweep_interval'), '1h', 'the server runs with 1h');
-is( sqlstate_of("SET idempotency.sweep_interval = '1s'"),
+is( sqlstate_of($node, 'postgres', "SET idempotency.sweep_interval = '1s'"),
 	'55P02', 'sweep_interval cannot be SET in a session');
-is( sqlstate_of("ALTER SYSTEM SET idempotency.sweep_interval = '-1'"),
+is( sqlstate_of($node, 'postgres', "ALTER SYSTEM SET idempotency.sweep_interval = '-1'"),
 	'22023', 'a negative sweep_interval is refused');
 
 sql('CREATE EXTENSION idempotency');
@@ -110,7 +80,7 @@ is( sql("SELECT count(*) FROM pg_stat_activity "
 
 # The launcher's first round ran at start-up, before this key existed.
 finished_key('k-hour', '1 second');
-wait_past_retention('k-hour');
+ok(wait_past_retention($node, 'postgres', 'k-hour'), 'k-hour is past its retention');
 # ('never', unless the first round came after CREATE EXTENSION.)
 my $first = last_sweep();
 sleep(3);
@@ -138,7 +108,7 @@ set_interval('0');
 sleep(1);
 my $stopped_at = last_sweep();
 finished_key('k-off', '1 second');
-wait_past_retention('k-off');
+ok(wait_past_retention($node, 'postgres', 'k-off'), 'k-off is past its retention');
 # 3 seconds: fifteen of the former intervals.
 sleep(3);
 is(key_count('k-off'), '1', 'with sweep_interval = 0 the key stays');
@@ -173,15 +143,10 @@ isnt(last_sweep(), $stopped_at, 'a new sweep is recorded');
 
 # --- sweep_batch is reread as well: a backlog of several batches ---
 
-sql("ALTER SYSTEM SET idempotency.sweep_batch = 7");
-sql('SELECT pg_reload_conf()');
+alter_system($node, 'idempotency.sweep_batch', 7);
 ok($node->poll_query_until('postgres', 'SHOW idempotency.sweep_batch', '7'),
 	'sweep_batch is now 7');
-is( sql("SELECT count(*) FROM ("
-		  . "SELECT idempotency.idem_finish('b-' || i, c.token, 200) "
-		  . "FROM generate_series(1, 50) AS i, "
-		  . "LATERAL idempotency.idem_claim('b-' || i, "
-		  . "lease => '1 second', retention => '1 second') AS c) AS f"),
+is(expiring_keys($node, 'postgres', 'b', 50),
 	'50', '50 keys claimed and finished in one statement');
 sql('SELECT idempotency.stats_reset()');
 ok( $node->poll_query_until(
@@ -194,9 +159,7 @@ is(sql("SELECT count(*) FROM idempotency.keys"), '1',
 	'only p-off remains');
 
 # Nothing failed along the way.
-my @bad = grep { !/102_worker_interval\.pl/ }
-  grep { /ERROR|FATAL|PANIC|failed/ } split /\n/, slurp_file($node->logfile);
-is(join("\n", @bad), '', 'no error or failure in the log but the test\'s own');
+is(log_errors($node), '', 'no error or failure in the log but the test\'s own');
 
 $node->stop;
 done_testing();

@@ -18,26 +18,19 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use IPC::Run;
 use Time::HiRes qw(usleep);
 
-my $node = PostgreSQL::Test::Cluster->new('crash', port => 55446);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '300ms'
-restart_after_crash = on
-EOF
-$node->start;
+my $node = new_node('crash', port => 55446,
+	conf => [ "idempotency.sweep_interval = '300ms'", 'restart_after_crash = on' ]);
 
-sub sql
-{
-	my ($db, $sql) = @_;
-	return $node->safe_psql($db, $sql);
-}
+sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
 # A digest of every finished key: scope, key, status, token, attempt,
 # fingerprint, response, times.  Any change or loss changes it.
@@ -52,13 +45,6 @@ sub finished_digest
 {
 	my ($db) = @_;
 	return sql($db, $finished_digest_sql);
-}
-
-sub launcher_pid
-{
-	return sql('postgres',
-		"SELECT pid FROM pg_stat_activity "
-		  . "WHERE backend_type = 'idempotency launcher'");
 }
 
 # $n finished keys named "$prefix-<i>", kept for $retention, in one statement.
@@ -94,7 +80,7 @@ for my $db (qw(postgres shop))
 
 # --- kill -9 of the launcher ---
 
-my $pid = launcher_pid();
+my $pid = launcher_pid($node);
 like($pid, qr/^\d+$/, "the launcher runs (pid $pid)");
 my $log_offset = -s $node->logfile;
 is(kill('KILL', $pid), 1, 'SIGKILL sent to the launcher');
@@ -149,7 +135,7 @@ for my $db (qw(postgres shop))
 
 # --- SIGTERM of the launcher: restarted without a crash ---
 
-$pid = launcher_pid();
+$pid = launcher_pid($node);
 $log_offset = -s $node->logfile;
 is(sql('postgres', "SELECT pg_terminate_backend($pid)"), 't',
 	'pg_terminate_backend of the launcher');
@@ -174,12 +160,9 @@ ok( $node->poll_query_until(
 # A backlog of several thousand expired keys and stale claims, swept in
 # batches of one key (a transaction each), so that the worker is in the
 # middle of it when we stop.
-sql('postgres', "ALTER SYSTEM SET idempotency.sweep_batch = 1");
-sql('postgres', 'SELECT pg_reload_conf()');
+alter_system($node, 'idempotency.sweep_batch', 1);
 # Stop sweeping while the backlog is built, so that it is all there.
-sql('postgres', "ALTER SYSTEM SET idempotency.sweep_interval = 0");
-sql('postgres', 'SELECT pg_reload_conf()');
-sleep(1);
+stop_sweeping($node);
 is(finish_keys('shop', 'backlog', 8000, '1 second'), '8000',
 	'shop: 8000 keys kept for one second');
 is( sql('shop',
@@ -223,8 +206,7 @@ while (($load_out =~ tr/\n//) < 200 && $spins++ < 10 * $PostgreSQL::Test::Utils:
 cmp_ok(($load_out =~ tr/\n//), '>=', 200, 'the client has finished 200 keys');
 
 # Sweeping on again: wait until the worker is part-way through the backlog.
-sql('postgres', "ALTER SYSTEM SET idempotency.sweep_interval = '300ms'");
-sql('postgres', 'SELECT pg_reload_conf()');
+alter_system($node, 'idempotency.sweep_interval', '300ms');
 ok( $node->poll_query_until(
 		'shop',
 		"SELECT count(*) < 8000 FROM idempotency.keys WHERE key LIKE 'backlog-%'"),

@@ -14,51 +14,26 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('quiet', port => 55447);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '100ms'
-EOF
-$node->start;
+my $node = new_node('quiet', port => 55447,
+	conf => ["idempotency.sweep_interval = '100ms'"]);
 
-sub sql
-{
-	my ($db, $sql) = @_;
-	return $node->safe_psql($db, $sql);
-}
+sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
-sub launcher_pid
-{
-	return sql('postgres',
-		"SELECT pid FROM pg_stat_activity "
-		  . "WHERE backend_type = 'idempotency launcher'");
-}
-
-# Transactions committed in a database that no client uses: the visits.
-sub commits
-{
-	my ($db) = @_;
-	return sql('postgres',
-		"SELECT xact_commit FROM pg_stat_database WHERE datname = '$db'");
-}
-
-# Wait for at least $n more visits of the worker to each database.
+# Wait for at least $n more visits of the worker to each database (the
+# transactions committed in a database that no client uses).
 sub wait_visits
 {
 	my ($n, @dbs) = @_;
 	for my $db (@dbs)
 	{
-		my $c = commits($db);
-		ok( $node->poll_query_until(
-				'postgres',
-				"SELECT xact_commit >= $c + $n FROM pg_stat_database "
-				  . "WHERE datname = '$db'"),
-			"the worker visited $db again and again");
+		ok(wait_commits($node, $db, $n), "the worker visited $db again and again");
 	}
 }
 
@@ -66,12 +41,11 @@ sub wait_visits
 sub noise
 {
 	my ($offset) = @_;
-	return join "\n", grep { /ERROR|FATAL|PANIC|WARNING|failed|could not|sweeper/ }
-	  grep { !/104_worker_quiet\.pl/ }
-	  split /\n/, slurp_file($node->logfile, $offset);
+	return log_errors($node, offset => $offset,
+		pattern => qr/ERROR|FATAL|PANIC|WARNING|failed|could not|sweeper/);
 }
 
-my $pid = launcher_pid();
+my $pid = launcher_pid($node);
 like($pid, qr/^\d+$/, 'the launcher runs');
 
 for my $db (qw(quiet1 quiet2 quiet3))
@@ -84,7 +58,7 @@ is( sql('postgres',
 
 wait_visits(10, qw(quiet1 quiet2 quiet3));
 is(noise(0), '', 'over many rounds: no error, warning or failure in the log');
-is(launcher_pid(), $pid, 'the same launcher process runs all along');
+is(launcher_pid($node), $pid, 'the same launcher process runs all along');
 for my $db (qw(postgres quiet1 quiet2 quiet3 template1))
 {
 	is( sql($db,
@@ -107,7 +81,7 @@ wait_visits(10, qw(quiet1 quiet3));
 # (quiet2's own commits are not counted: its one client is in a transaction.)
 is(noise($offset), '',
 	'while CREATE EXTENSION is uncommitted: nothing in the log');
-is(launcher_pid(), $pid, 'the launcher is the same process');
+is(launcher_pid($node), $pid, 'the launcher is the same process');
 $creator->query_safe('COMMIT');
 $creator->quit;
 

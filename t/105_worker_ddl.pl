@@ -21,24 +21,17 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('ddl', port => 55448);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '100ms'
-idempotency.sweep_batch = 10
-EOF
-$node->start;
+my $node = new_node('ddl', port => 55448,
+	conf => [ "idempotency.sweep_interval = '100ms'", 'idempotency.sweep_batch = 10' ]);
 
-sub sql
-{
-	my ($db, $sql) = @_;
-	return $node->safe_psql($db, $sql);
-}
+sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
 # Run a command; returns its stderr ('' when it succeeded without a word).
 sub try_sql
@@ -48,25 +41,12 @@ sub try_sql
 	return $ret == 0 ? $err : "failed ($ret): $err";
 }
 
-sub launcher_pid
-{
-	return sql('postgres',
-		"SELECT pid FROM pg_stat_activity "
-		  . "WHERE backend_type = 'idempotency launcher'");
-}
-
 # A backlog that keeps the worker busy in $db for a while: $n keys past
 # retention, swept 10 per transaction.
 sub backlog
 {
 	my ($db, $n, $p) = @_;
-	$p //= 'bl';
-	return sql($db,
-		    "SELECT count(*) FROM ("
-		  . "SELECT idempotency.idem_finish('$p-' || i, c.token, 200) "
-		  . "FROM generate_series(1, $n) AS i, "
-		  . "LATERAL idempotency.idem_claim('$p-' || i, lease => '1 second', "
-		  . "retention => '1 second') AS c) AS f");
+	return expiring_keys($node, $db, $p // 'bl', $n);
 }
 
 # Wait until a sweeper works in $db.
@@ -83,20 +63,13 @@ sub wait_sweeper_in
 sql('template1', 'CREATE EXTENSION idempotency');
 for my $k ([ 'tpl-exp', '1 second' ], [ 'tpl-keep', '1 day' ])
 {
-	my $t = sql('template1',
-		"SELECT token FROM idempotency.idem_claim('$k->[0]', "
-		  . "lease => '1 second', retention => '$k->[1]')");
-	sql('template1',
-		"SELECT idempotency.idem_finish('$k->[0]', $t, 200, '{\"from\": \"template1\"}')");
+	finish_key($node, 'template1', $k->[0], $k->[1], q{'{"from": "template1"}'});
 }
-ok( $node->poll_query_until(
-		'template1',
-		"SELECT expires_at < clock_timestamp() FROM idempotency.keys "
-		  . "WHERE key = 'tpl-exp'"),
+ok(wait_past_retention($node, 'template1', 'tpl-exp'),
 	'template1: tpl-exp is past its retention');
 sql('postgres', 'CREATE EXTENSION idempotency');
 
-my $pid = launcher_pid();
+my $pid = launcher_pid($node);
 like($pid, qr/^\d+$/, 'the launcher runs');
 
 # --- DROP DATABASE of a database listed for the current round ---
@@ -199,13 +172,7 @@ is(sql('busyext', "SELECT to_regclass('idempotency.keys') IS NULL"),
 
 # The worker goes on visiting busyext without the extension, and without
 # complaint: an extension dropped under a sweep is no failure.
-my $c = sql('postgres',
-	"SELECT xact_commit FROM pg_stat_database WHERE datname = 'busyext'");
-ok( $node->poll_query_until(
-		'postgres',
-		"SELECT xact_commit >= $c + 5 FROM pg_stat_database "
-		  . "WHERE datname = 'busyext'"),
-	'busyext: the worker keeps visiting');
+ok(wait_commits($node, 'busyext', 5), 'busyext: the worker keeps visiting');
 
 # A new CREATE EXTENSION there is swept.
 sql('busyext', 'CREATE EXTENSION idempotency');
@@ -216,7 +183,7 @@ ok( $node->poll_query_until(
 
 # --- The launcher lived through all of it, and sweeps ---
 
-is(launcher_pid(), $pid, 'the same launcher process runs');
+is(launcher_pid($node), $pid, 'the same launcher process runs');
 is(backlog('postgres', 5), '5', 'postgres: 5 keys past retention soon');
 ok( $node->poll_query_until(
 		'postgres', "SELECT count(*) = 0 FROM idempotency.keys"),

@@ -17,42 +17,17 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('failure', port => 55449);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '200ms'
-EOF
-$node->start;
+my $node = new_node('failure', port => 55449,
+	conf => ["idempotency.sweep_interval = '200ms'"]);
 
-sub sql
-{
-	my ($db, $sql) = @_;
-	return $node->safe_psql($db, $sql);
-}
-
-sub launcher_pid
-{
-	return sql('postgres',
-		"SELECT pid FROM pg_stat_activity "
-		  . "WHERE backend_type = 'idempotency launcher'");
-}
-
-# $n keys in $db that are past retention a second from now.
-sub expiring
-{
-	my ($db, $prefix, $n) = @_;
-	return sql($db,
-		    "SELECT count(*) FROM ("
-		  . "SELECT idempotency.idem_finish('$prefix-' || i, c.token, 200) "
-		  . "FROM generate_series(1, $n) AS i, "
-		  . "LATERAL idempotency.idem_claim('$prefix-' || i, lease => '1 second', "
-		  . "retention => '1 second') AS c) AS f");
-}
+sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
 sub stat_of
 {
@@ -74,7 +49,7 @@ for my $db (qw(healthy fail1 fail2))
 	sql('postgres', "CREATE DATABASE $db");
 	sql($db, 'CREATE EXTENSION idempotency');
 }
-my $pid = launcher_pid();
+my $pid = launcher_pid($node);
 
 # fail1: an audit trigger that fails on every delete.
 sql('fail1', <<'EOF');
@@ -85,10 +60,10 @@ END $$;
 CREATE TRIGGER audit_key_delete BEFORE DELETE ON idempotency.keys
 	FOR EACH ROW EXECUTE FUNCTION public.audit_key_delete();
 EOF
-is(expiring('fail1', 'k', 3), '3', 'fail1: 3 keys past retention soon');
+is(expiring_keys($node, 'fail1', 'k', 3), '3', 'fail1: 3 keys past retention soon');
 
 # fail2: the table renamed away (by a superuser).
-is(expiring('fail2', 'k', 3), '3', 'fail2: 3 keys past retention soon');
+is(expiring_keys($node, 'fail2', 'k', 3), '3', 'fail2: 3 keys past retention soon');
 sql('fail2', 'ALTER TABLE idempotency.keys RENAME TO keys_old');
 
 # Each failed visit rolls back one transaction in its database (nobody
@@ -126,7 +101,7 @@ is( sql('fail1', "SELECT count(*) FROM idempotency.keys"),
 	'3', 'fail1: the failed sweeps left every key in place');
 
 # One database cannot stop the others: healthy is swept all along.
-is(expiring('healthy', 'k', 3), '3', 'healthy: 3 keys past retention soon');
+is(expiring_keys($node, 'healthy', 'k', 3), '3', 'healthy: 3 keys past retention soon');
 ok( $node->poll_query_until(
 		'healthy', "SELECT count(*) = 0 FROM idempotency.keys"),
 	'healthy: swept while the other two fail');
@@ -153,7 +128,7 @@ for my $db (qw(fail1 fail2))
 }
 
 # After recovery the database is swept at the normal pace again.
-is(expiring('fail1', 'again', 2), '2', 'fail1: 2 more keys past retention soon');
+is(expiring_keys($node, 'fail1', 'again', 2), '2', 'fail1: 2 more keys past retention soon');
 ok( $node->poll_query_until(
 		'fail1', "SELECT count(*) = 0 FROM idempotency.keys"),
 	'fail1: swept again');
@@ -164,7 +139,7 @@ CREATE TRIGGER audit_key_delete BEFORE DELETE ON idempotency.keys
 	FOR EACH ROW EXECUTE FUNCTION public.audit_key_delete();
 EOF
 my $rb1 = stat_of('fail1', 'xact_rollback');
-is(expiring('fail1', 'third', 2), '2', 'fail1: 2 more keys, the trigger back');
+is(expiring_keys($node, 'fail1', 'third', 2), '2', 'fail1: 2 more keys, the trigger back');
 ok( $node->poll_query_until(
 		'postgres',
 		"SELECT xact_rollback >= $rb1 + 2 FROM pg_stat_database "
@@ -173,7 +148,7 @@ ok( $node->poll_query_until(
 is(scalar(grep { /failed: audit log is full/ } log_lines('fail1')),
 	2, 'fail1: the recurring failure is logged once more, not per attempt');
 
-is(launcher_pid(), $pid, 'the same launcher process ran all along');
+is(launcher_pid($node), $pid, 'the same launcher process ran all along');
 is( scalar(grep { /background worker "idempotency launcher"/ }
 		  split /\n/, slurp_file($node->logfile)),
 	0, 'the launcher never exited');

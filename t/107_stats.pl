@@ -20,17 +20,15 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('stats', port => 55444);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '200ms'
-EOF
-$node->start;
+my $node = new_node('stats', port => 55444,
+	conf => ["idempotency.sweep_interval = '200ms'"]);
 
 my $counters =
   'claims, takeovers, replays, in_progress, mismatches, finishes, releases, '
@@ -42,35 +40,24 @@ sub sql
 	return ($n // $node)->safe_psql($db // 'postgres', $sql);
 }
 
-sub sqlstate_of
-{
-	my ($cmd, $db, $n, $user) = @_;
-	my ($ret, $out, $err) = ($n // $node)->psql($db // 'postgres',
-		"\\set VERBOSITY verbose\n$cmd;",
-		$user ? (extra_params => [ '-U', $user ]) : ());
-	return '00000' if $ret == 0 && $err !~ /ERROR/;
-	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
-	return "no SQLSTATE (ret $ret): $err";
-}
-
-# Claim; returns "outcome|token|attempt".
-sub claim
+# Claim; returns "outcome|token|attempt" (without the NULL ones).
+sub claim_line
 {
 	my ($args, $db, $n) = @_;
-	return sql("SELECT concat_ws('|', outcome, token, attempt) "
-		  . "FROM idempotency.idem_claim($args)", $db, $n);
+	my $c = claim($n // $node, $db // 'postgres', $args);
+	return join('|', grep { defined } @$c{qw(outcome token attempt)});
 }
 
 sub outcome
 {
 	my ($args, $db) = @_;
-	return (split /\|/, claim($args, $db))[0];
+	return (split /\|/, claim_line($args, $db))[0];
 }
 
 sub token
 {
 	my ($args, $db) = @_;
-	my ($o, $t) = split /\|/, claim($args, $db);
+	my ($o, $t) = split /\|/, claim_line($args, $db);
 	die "expected claimed, got $o" unless $o eq 'claimed';
 	return $t;
 }
@@ -114,7 +101,7 @@ is(outcome("'a', request => '{\"x\": 2}'"), 'mismatch', 'a: mismatch when finish
 
 $t = token("'b', lease => '1 hour'");                                    # claims 2
 sql("SELECT idempotency.idem_release('b', $t)");                         # releases 1
-is(claim("'b', lease => '1 hour'") =~ s/\|\d+\|/|T|/r, 'claimed|T|1',
+is(claim_line("'b', lease => '1 hour'") =~ s/\|\d+\|/|T|/r, 'claimed|T|1',
 	'b: claimed again after release, attempt 1');                        # claims 3
 $t = sql("SELECT token FROM idempotency.keys WHERE key = 'b'");
 sql("SELECT idempotency.idem_finish('b', $t, 503, status => 'failed')"); # finishes 2
@@ -125,7 +112,7 @@ $t = token("'c', lease => '1 second', retention => '1 day'");           # claims
 ok( $node->poll_query_until(
 		'postgres', "SELECT token IS NULL FROM idempotency.keys WHERE key = 'c'"),
 	'c: the worker reset the stale claim');                              # reset 1
-my ($o, $t2, $att) = split /\|/, claim("'c', lease => '1 hour'");        # claims 5, takeovers 1
+my ($o, $t2, $att) = split /\|/, claim_line("'c', lease => '1 hour'");   # claims 5, takeovers 1
 is("$o|$att", 'claimed|2', 'c: taken over as attempt 2');
 sql("SELECT idempotency.idem_finish('c', $t2, 200)");                    # finishes 3
 
@@ -149,12 +136,7 @@ is( sql("SELECT last_sweep_at IS NOT NULL AND last_sweep_at <= clock_timestamp()
 		  . "last_sweep_ms >= 0 FROM idempotency.stats "
 		  . "WHERE database = current_database()"),
 	't|t', 'last_sweep_at and last_sweep_ms are set by the worker');
-my $last = sql("SELECT last_sweep_at FROM idempotency.stats "
-	  . "WHERE database = current_database()");
-ok( $node->poll_query_until(
-		'postgres',
-		"SELECT last_sweep_at > '$last' FROM idempotency.stats "
-		  . "WHERE database = current_database()"),
+ok(wait_next_sweep($node, 'postgres'),
 	'last_sweep_at moves forward with the next sweep');
 
 # Key counts by status, from the table: before (pending), t1/a (pending),
@@ -185,7 +167,7 @@ is(counters_of('postgres'), '8,1,3,1,2,5,1,2,1',
 
 # --- Who may reset ---
 
-is( sqlstate_of('SELECT idempotency.stats_reset()', 'postgres', undef, 'app'),
+is( sqlstate_of($node, 'postgres', 'SELECT idempotency.stats_reset()', user => 'app'),
 	'42501', 'stats_reset() as a plain role: 42501');
 is( sql("SELECT has_function_privilege('app', 'idempotency.stats_reset()', 'EXECUTE')"),
 	'f', 'stats_reset() is not executable by PUBLIC');
@@ -195,7 +177,7 @@ is( $node->safe_psql('postgres',
 		  . "WHERE database = current_database()",
 		extra_params => [ '-U', 'app' ]),
 	'8|2', 'a plain role may read the view');
-is( sqlstate_of('SELECT idempotency.stats_reset()', 'postgres', undef, 'monitor'),
+is( sqlstate_of($node, 'postgres', 'SELECT idempotency.stats_reset()', user => 'monitor'),
 	'00000', 'a role granted EXECUTE may reset');
 is(counters_of('postgres'), '0,0,0,0,0,0,0,0,0', 'postgres: zero after the reset');
 is(counters_of('other'), '0,0,0,0,0,0,0,0,0', 'other: zero too');
@@ -207,9 +189,7 @@ is( sql("SELECT pending, succeeded, failed FROM idempotency.stats "
 # is preloaded, so its counters are 0 since start-up, not NULL (NULL is what
 # the view shows without preloading).  Sweeping is off, so that no sweep
 # counts anything there first.
-sql("ALTER SYSTEM SET idempotency.sweep_interval = 0");
-sql('SELECT pg_reload_conf()');
-sleep(1);
+stop_sweeping($node);
 sql('CREATE DATABASE fresh');
 sql('CREATE EXTENSION idempotency', 'fresh');
 is( sql("SELECT concat_ws(',', coalesce(claims::text, 'NULL'), "
@@ -223,9 +203,7 @@ $node->stop;
 
 # --- Without preloading ---
 
-my $plain = PostgreSQL::Test::Cluster->new('plain', port => 55445);
-$plain->init;
-$plain->start;
+my $plain = new_node('plain', port => 55445, preload => 0);
 sql('CREATE EXTENSION idempotency', 'postgres', $plain);
 sql('CREATE ROLE app LOGIN', 'postgres', $plain);
 sql('GRANT USAGE ON SCHEMA idempotency TO app', 'postgres', $plain);
@@ -234,14 +212,14 @@ for my $k ([ 's1', 'succeeded', '1 day' ], [ 's2', 'succeeded', '1 day' ],
 	[ 'f1', 'failed', '1 day' ], [ 'gone', 'succeeded', '1 second' ])
 {
 	my ($o, $tk) = split /\|/,
-	  claim("'$k->[0]', lease => '1 second', retention => '$k->[2]'",
+	  claim_line("'$k->[0]', lease => '1 second', retention => '$k->[2]'",
 		'postgres', $plain);
 	is($o, 'claimed', "plain: $k->[0] claimed");
 	sql("SELECT idempotency.idem_finish('$k->[0]', $tk, 200, status => '$k->[1]')",
 		'postgres', $plain);
 }
 my ($po, $ptok) = split /\|/,
-  claim("'p1', lease => '1 second', retention => '1 day'", 'postgres', $plain);
+  claim_line("'p1', lease => '1 second', retention => '1 day'", 'postgres', $plain);
 is($po, 'claimed', 'plain: p1 claimed with a 1 second lease');
 ok( $plain->poll_query_until(
 		'postgres',
@@ -261,9 +239,9 @@ is( sql("SELECT concat_ws(',', database, coalesce(claims::text, 'NULL'), "
 	'postgres,NULL,NULL,NULL,NULL,NULL,NULL,NULL,NULL,NULL,NULL,NULL,1,2,1',
 	'not preloaded: one row, NULL counters, key counts from the table '
 	  . '(the key past retention not counted)');
-is(sqlstate_of('SELECT idempotency.stats_reset()', 'postgres', $plain),
+is(sqlstate_of($plain, 'postgres', 'SELECT idempotency.stats_reset()'),
 	'00000', 'not preloaded: stats_reset() as superuser is a no-op');
-is(sqlstate_of('SELECT idempotency.stats_reset()', 'postgres', $plain, 'app'),
+is(sqlstate_of($plain, 'postgres', 'SELECT idempotency.stats_reset()', user => 'app'),
 	'42501', 'not preloaded: stats_reset() as a plain role: 42501');
 is( $plain->safe_psql('postgres',
 		"SELECT claims IS NULL, succeeded FROM idempotency.stats",

@@ -15,35 +15,20 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $primary = PostgreSQL::Test::Cluster->new('primary', port => 55446);
-$primary->init(allows_streaming => 1);
-$primary->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '200ms'
-EOF
-$primary->start;
-$primary->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+my $primary = new_node('primary', port => 55446, init => [ allows_streaming => 1 ],
+	conf => ["idempotency.sweep_interval = '200ms'"], extension => 1);
 
 # Keys present before the backup: one kept, one expiring soon.
-sub finish_key
-{
-	my ($node, $key, $retention) = @_;
-	my $t = $node->safe_psql('postgres',
-		"SELECT token FROM idempotency.idem_claim('$key', lease => '1 second', "
-		  . "retention => '$retention')");
-	$node->safe_psql('postgres',
-		"SELECT idempotency.idem_finish('$key', $t, 200, '{\"key\": \"$key\"}')");
-}
-finish_key($primary, 'kept', '1 day');
+finish_key($primary, 'postgres', 'kept', '1 day', q{'{"key": "kept"}'});
 
-$primary->backup('bk');
-my $standby = PostgreSQL::Test::Cluster->new('standby', port => 55447);
-$standby->init_from_backup($primary, 'bk', has_streaming => 1);
-$standby->start;
+my $standby = new_standby($primary, 'standby', port => 55447);
 
 sub on_standby
 {
@@ -55,7 +40,8 @@ is(on_standby('SELECT pg_is_in_recovery()'), 't', 'the standby is in recovery');
 
 # --- The primary's sweeps replicate ---
 
-finish_key($primary, 'swept-on-primary', '1 second');
+finish_key($primary, 'postgres', 'swept-on-primary', '1 second',
+	q{'{"key": "swept-on-primary"}'});
 $primary->wait_for_catchup($standby);
 is( on_standby("SELECT count(*) FROM idempotency.keys WHERE key = 'swept-on-primary'"),
 	'1', 'the key reached the standby');
@@ -69,11 +55,8 @@ is( on_standby("SELECT string_agg(key, ',' ORDER BY key) FROM idempotency.keys")
 
 # --- The standby sweeps nothing in recovery ---
 
-$primary->safe_psql('postgres',
-	"ALTER SYSTEM SET idempotency.sweep_interval = 0");
-$primary->safe_psql('postgres', 'SELECT pg_reload_conf()');
-sleep(1);
-finish_key($primary, 'held', '1 second');
+stop_sweeping($primary);
+finish_key($primary, 'postgres', 'held', '1 second', q{'{"key": "held"}'});
 my ($o, $t) = split /\|/,
   $primary->safe_psql('postgres',
 	"SELECT outcome, token FROM idempotency.idem_claim('stale', "
@@ -105,16 +88,14 @@ is(on_standby("SELECT count(*) FROM idempotency.idem_lookup('held')"),
 is( on_standby("SELECT pending, succeeded, failed FROM idempotency.stats "
 		  . "WHERE database = current_database()"),
 	'1|1|0', 'the stats view works on the standby (held not counted)');
-my ($ret, $out, $err) = $standby->psql('postgres',
-	"\\set VERBOSITY verbose\nSELECT * FROM idempotency.idem_claim('x');");
+my ($st, $out, $err) =
+  sql_result($standby, 'postgres', "SELECT * FROM idempotency.idem_claim('x')");
 like($err, qr/ERROR:\s+25006/, 'idem_claim on the standby: 25006');
-($ret, $out, $err) = $standby->psql('postgres',
-	"\\set VERBOSITY verbose\nSELECT * FROM idempotency.idem_sweep();");
+($st, $out, $err) =
+  sql_result($standby, 'postgres', "SELECT * FROM idempotency.idem_sweep()");
 like($err, qr/ERROR:\s+25006/, 'idem_sweep on the standby: 25006');
 
-my @bad = grep { !/108_worker_standby\.pl/ }
-  grep { /ERROR|FATAL|PANIC|failed/ } split /\n/, slurp_file($standby->logfile);
-is(join("\n", @bad), '', 'the standby\'s log has no error from the worker');
+is(log_errors($standby), '', 'the standby\'s log has no error from the worker');
 
 # --- Promoted: the worker sweeps ---
 

@@ -14,51 +14,31 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('openxact', port => 55448);
-$node->init;
-$node->append_conf('postgresql.conf', <<'EOF');
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = '200ms'
-EOF
-$node->start;
+my $node = new_node('openxact', port => 55448,
+	conf => ["idempotency.sweep_interval = '200ms'"]);
 
-sub sql
-{
-	my ($sql) = @_;
-	return $node->safe_psql('postgres', $sql);
-}
+sub sql { return $node->safe_psql('postgres', $_[0]); }
 
+# Sweeping on (every 200 ms) or off.
 sub sweeping
 {
 	my ($on) = @_;
-	sql("ALTER SYSTEM SET idempotency.sweep_interval = '" . ($on ? '200ms' : '0') . "'");
-	sql('SELECT pg_reload_conf()');
-	# Let a round under way end when turning it off.
-	sleep(1) unless $on;
+	if ($on) { alter_system($node, 'idempotency.sweep_interval', '200ms'); }
+	else     { stop_sweeping($node); }
 }
 
 # A committed, finished key that is past its retention a second from now.
 sub expiring_key
 {
 	my ($key, $retention) = @_;
-	my $t = sql("SELECT token FROM idempotency.idem_claim('$key', "
-		  . "lease => '1 second', retention => '$retention')");
-	sql("SELECT idempotency.idem_finish('$key', $t, 200)");
-	return $t;
-}
-
-sub wait_past_retention
-{
-	my ($key) = @_;
-	ok( $node->poll_query_until(
-			'postgres',
-			"SELECT expires_at < clock_timestamp() FROM idempotency.keys "
-			  . "WHERE key = '$key'"),
-		"$key is past its retention");
+	return finish_key($node, 'postgres', $key, $retention)->{token};
 }
 
 # Wait for $n more sweeps of this database.
@@ -67,13 +47,7 @@ sub wait_sweeps
 	my ($n) = @_;
 	for my $i (1 .. $n)
 	{
-		my $last = sql("SELECT coalesce(last_sweep_at, '-infinity') "
-			  . "FROM idempotency.stats WHERE database = current_database()");
-		ok( $node->poll_query_until(
-				'postgres',
-				"SELECT last_sweep_at > '$last' FROM idempotency.stats "
-				  . "WHERE database = current_database()"),
-			"another sweep ($i of $n)");
+		ok(wait_next_sweep($node, 'postgres'), "another sweep ($i of $n)");
 	}
 }
 
@@ -83,7 +57,7 @@ sql('CREATE EXTENSION idempotency');
 
 sweeping(0);
 my $old = expiring_key('tk', '1 second');
-wait_past_retention('tk');
+ok(wait_past_retention($node, 'postgres', 'tk'), 'tk is past its retention');
 expiring_key('other', '3 seconds');
 
 my $s = $node->background_psql('postgres');
@@ -123,7 +97,7 @@ is( sql("SELECT expired FROM idempotency.stats WHERE database = current_database
 
 sweeping(0);
 expiring_key('locked', '1 second');
-wait_past_retention('locked');
+ok(wait_past_retention($node, 'postgres', 'locked'), 'locked is past its retention');
 expiring_key('other2', '3 seconds');
 $s->query_safe('BEGIN');
 is( $s->query_safe(
@@ -147,9 +121,7 @@ $s->quit;
 
 is(sql("SELECT string_agg(key, ',') FROM idempotency.keys"), 'tk',
 	'only tk remains');
-my @bad = grep { !/109_worker_open_xact\.pl/ }
-  grep { /ERROR|FATAL|PANIC|failed/ } split /\n/, slurp_file($node->logfile);
-is(join("\n", @bad), '', 'no error or failure in the log');
+is(log_errors($node), '', 'no error or failure in the log');
 
 $node->stop;
 done_testing();

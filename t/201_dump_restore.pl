@@ -28,15 +28,16 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
+use List::Util qw(max);
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('dump', port => 55444);
-$node->init(extra => [ '--encoding=UTF8', '--locale=C' ]);
-$node->append_conf('postgresql.conf',
-	"shared_preload_libraries = 'idempotency'\n");
-$node->start;
+my $node = new_node('dump', port => 55444,
+	init => [ extra => [ '--encoding=UTF8', '--locale=C' ] ]);
 
 $node->safe_psql('postgres', 'CREATE DATABASE src');
 $node->safe_psql(
@@ -49,54 +50,16 @@ SELECT idempotency.bind_scope('tenant_a', 'a:');
 SELECT idempotency.bind_scope('tenant_b', 'b:');
 });
 
-sub sql
-{
-	my ($db, $sql) = @_;
-	return $node->safe_psql($db, $sql);
-}
-
-# The SQLSTATE an SQL command ends with ('00000' when it succeeds).
-sub sqlstate_of
-{
-	my ($db, $cmd) = @_;
-	my ($ret, $out, $err) =
-	  $node->psql($db, "\\set VERBOSITY verbose\n$cmd;");
-	return '00000' if $ret == 0 && $err !~ /ERROR/;
-	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
-	return "no SQLSTATE (ret $ret): $err";
-}
-
-# The claim's outcome row as a hash (SQL NULL is undef); body as its md5.
-sub claim
-{
-	my ($db, $args, $role) = @_;
-	my $set = defined $role ? "SET ROLE $role;\n" : '';
-	my $line = sql($db,
-		    "${set}SELECT outcome, token, attempt, status, response_code, "
-		  . "md5(response_body::text), retry_after "
-		  . "FROM idempotency.idem_claim($args)");
-	my @f = split /\|/, $line, -1;
-	die "unexpected idem_claim output: '$line'" unless @f == 7;
-	my %r;
-	@r{qw(outcome token attempt status response_code body_md5 retry_after)} =
-	  map { $_ eq '' ? undef : $_ } @f;
-	return \%r;
-}
+sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
 # Every token the source database has handed out, committed or not.
 my @tokens;
-
-sub max_token
-{
-	my $max = 0;
-	foreach (@tokens) { $max = $_ if $_ > $max; }
-	return $max;
-}
+sub max_token { return max(0, @tokens); }
 
 sub claimed
 {
 	my ($args, $role) = @_;
-	my $c = claim('src', $args, $role);
+	my $c = claim($node, 'src', $args, role => $role);
 	is($c->{outcome}, 'claimed', "src: claim($args) is claimed");
 	cmp_ok($c->{token}, '>', max_token(), "src: claim($args) token is the largest so far");
 	push @tokens, $c->{token};
@@ -117,7 +80,7 @@ my %body = (
 	  . q{FROM generate_series(1, 6000) AS i)},
 );
 my %md5;
-$md5{$_} = sql('src', "SELECT md5(($body{$_})::jsonb::text)") foreach keys %body;
+$md5{$_} = body_md5($node, 'src', $body{$_}) foreach keys %body;
 
 my $c;
 $c = claimed(q{'ok-1', request => '{"order": 1}', retention => '30 days'});
@@ -153,10 +116,7 @@ sql('src', "SELECT idempotency.idem_finish('num', $c->{token}, 200, $body{num}, 
 # A takeover: attempt 1 runs out of lease, attempt 2 finishes.
 $c = claimed(q{'retaken', request => '{"job": 9}', scope => 'q:orders', lease => '10 ms'});
 my $dead_token = $c->{token};
-ok( $node->poll_query_until(
-		'src',
-		"SELECT lease_until < clock_timestamp() FROM idempotency.keys "
-		  . "WHERE scope = 'q:orders' AND key = 'retaken'"),
+ok(wait_lease_over($node, 'src', 'q:orders', 'retaken'),
 	'src: the first attempt of q:orders/retaken ran out of lease');
 $c = claimed(q{'retaken', request => '{"job": 9}', scope => 'q:orders', lease => '1 hour'});
 is($c->{attempt}, 2, 'src: q:orders/retaken taken over as attempt 2');
@@ -263,16 +223,8 @@ foreach my $db ('dst_custom', 'dst_plain')
 	{
 		my ($args, $status, $code, $md5, $role) = @$r;
 		is_deeply(
-			claim($db, $args, $role),
-			{
-				outcome       => 'replay',
-				token         => undef,
-				attempt       => undef,
-				status        => $status,
-				response_code => $code,
-				body_md5      => $md5,
-				retry_after   => undef
-			},
+			claim($node, $db, $args, role => $role),
+			replay_row($status, $code, $md5),
 			"$db: claim($args) replays the stored $status result"
 			  . (defined $role ? " (as $role)" : ''));
 	}
@@ -284,22 +236,22 @@ foreach my $db ('dst_custom', 'dst_plain')
 			"SELECT response_body->>'text' FROM idempotency.idem_claim('order-7', "
 			  . q{request => '{"sku": "x"}', scope => 'a:shop')}),
 		'ünïcødé ✓ 😀 "quoted" back\\slash', "$db: the Unicode body reads back exactly");
-	is(claim($db, q{'num', request => '{"amount": 100}', scope => 'pay'})->{outcome},
+	is(claim($node, $db, q{'num', request => '{"amount": 100}', scope => 'pay'})->{outcome},
 		'mismatch', "$db: the stored fingerprint still tells 100 from 100.0");
-	is(claim($db, q{'ok-1', request => '{"order": 1, "x": 1}'})->{outcome},
+	is(claim($node, $db, q{'ok-1', request => '{"order": 1, "x": 1}'})->{outcome},
 		'mismatch', "$db: ok-1 with another request is a mismatch");
-	is(claim($db, q{'ok-1'})->{outcome}, 'mismatch',
+	is(claim($node, $db, q{'ok-1'})->{outcome}, 'mismatch',
 		"$db: ok-1 without a request is a mismatch");
 
 	# The pending key is still pending, under its owner's lease.
-	$c = claim($db, q{'pending', request => '{"job": 1}'});
+	$c = claim($node, $db, q{'pending', request => '{"job": 1}'});
 	is($c->{outcome}, 'in_progress', "$db: the pending key answers in_progress");
 	cmp_ok($c->{retry_after}, '>', 1, "$db: retry_after counts the restored lease");
 	is( sql($db, "SELECT status || ',' || attempt FROM idempotency.idem_lookup('pending')"),
 		'pending,1', "$db: lookup: pending, attempt 1");
 
 	# The tenant bindings still hold.
-	is(sqlstate_of($db,
+	is(sqlstate_of($node, $db,
 			"SET ROLE tenant_a; SELECT * FROM idempotency.idem_lookup('order-7', scope => 'b:shop')"),
 		'42501', "$db: tenant_a may not look up b:shop (42501)");
 	like(
@@ -307,35 +259,35 @@ foreach my $db ('dst_custom', 'dst_plain')
 				"SET ROLE tenant_a; SELECT * FROM idempotency.idem_claim('k', scope => 'b:x')"))[2],
 		qr/permission denied for idempotency scope "b:x"/,
 		"$db: the refusal is the scope binding, not a missing schema privilege");
-	is(sqlstate_of($db,
+	is(sqlstate_of($node, $db,
 			"SET ROLE tenant_b; SELECT * FROM idempotency.idem_claim('k', scope => 'a:x')"),
 		'42501', "$db: tenant_b may not claim in a:x (42501)");
 
 	# New tokens continue above every token the source issued.
-	$c = claim($db, q{'new-after-restore', lease => '1 hour'});
+	$c = claim($node, $db, q{'new-after-restore', lease => '1 hour'});
 	is($c->{outcome}, 'claimed', "$db: a new key is claimed");
 	is($c->{attempt}, 1, "$db: as attempt 1");
 	cmp_ok($c->{token}, '>', max_token(),
 		"$db: its token is above every token the source issued (rolled back ones included)");
 	my $first_new = $c->{token};
-	$c = claim($db, q{'new-2', scope => 'a:shop'}, 'tenant_a');
+	$c = claim($node, $db, q{'new-2', scope => 'a:shop'}, role => 'tenant_a');
 	cmp_ok($c->{token}, '>', $first_new, "$db: tokens keep increasing");
 
 	# The restored tokens keep their meaning.
 	my $row_before = sql($db,
 		"SELECT status, token, response_code FROM idempotency.keys "
 		  . "WHERE scope = 'q:orders' AND key = 'retaken'");
-	is(sqlstate_of($db,
+	is(sqlstate_of($node, $db,
 			"SELECT idempotency.idem_finish('retaken', $dead_token, 500, scope => 'q:orders')"),
 		'55000', "$db: the token that lost the takeover cannot finish (55000)");
 	is( sql($db,
 			"SELECT status, token, response_code FROM idempotency.keys "
 			  . "WHERE scope = 'q:orders' AND key = 'retaken'"),
 		$row_before, "$db: and changed nothing");
-	is(sqlstate_of($db,
+	is(sqlstate_of($node, $db,
 			"SELECT idempotency.idem_finish('pending', $pending_token, 200, $body{late})"),
 		'00000', "$db: the pending key's owner finishes it with its pre-dump token");
-	$c = claim($db, q{'pending', request => '{"job": 1}'});
+	$c = claim($node, $db, q{'pending', request => '{"job": 1}'});
 	is($c->{outcome},  'replay',   "$db: the pending key now replays");
 	is($c->{body_md5}, $md5{late}, "$db: with the late owner's body");
 }

@@ -27,17 +27,16 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
+use List::Util qw(max);
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $primary = PostgreSQL::Test::Cluster->new('primary', port => 55445);
-$primary->init(
-	allows_streaming => 1,
-	extra            => [ '--encoding=UTF8', '--locale=C' ]);
-$primary->append_conf('postgresql.conf',
-	"shared_preload_libraries = 'idempotency'\n");
-$primary->start;
+my $primary = new_node('primary', port => 55445,
+	init => [ allows_streaming => 1, extra => [ '--encoding=UTF8', '--locale=C' ] ]);
 $primary->safe_psql(
 	'postgres', q{
 CREATE EXTENSION idempotency;
@@ -46,33 +45,6 @@ CREATE ROLE tenant LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO app, tenant;
 SELECT idempotency.bind_scope('tenant', 't:');
 });
-
-# The SQLSTATE an SQL command ends with on $node ('00000' when it succeeds).
-sub sqlstate_of
-{
-	my ($node, $cmd) = @_;
-	my ($ret, $out, $err) =
-	  $node->psql('postgres', "\\set VERBOSITY verbose\n$cmd;");
-	return '00000' if $ret == 0 && $err !~ /ERROR/;
-	return $1 if $err =~ /ERROR:\s+([0-9A-Z]{5}):/;
-	return "no SQLSTATE (ret $ret): $err";
-}
-
-sub claim
-{
-	my ($node, $args, $role) = @_;
-	my $set = defined $role ? "SET ROLE $role;\n" : '';
-	my $line = $node->safe_psql('postgres',
-		    "${set}SELECT outcome, token, attempt, status, response_code, "
-		  . "md5(response_body::text), retry_after "
-		  . "FROM idempotency.idem_claim($args)");
-	my @f = split /\|/, $line, -1;
-	die "unexpected idem_claim output: '$line'" unless @f == 7;
-	my %r;
-	@r{qw(outcome token attempt status response_code body_md5 retry_after)} =
-	  map { $_ eq '' ? undef : $_ } @f;
-	return \%r;
-}
 
 sub lookup
 {
@@ -85,18 +57,12 @@ sub lookup
 }
 
 my @tokens;    # every token the primary handed out
-
-sub max_token
-{
-	my $max = 0;
-	foreach (@tokens) { $max = $_ if $_ > $max; }
-	return $max;
-}
+sub max_token { return max(0, @tokens); }
 
 sub claimed
 {
 	my ($args, $role) = @_;
-	my $c = claim($primary, $args, $role);
+	my $c = claim($primary, 'postgres', $args, role => $role);
 	is($c->{outcome}, 'claimed', "primary: claim($args) is claimed");
 	cmp_ok($c->{token}, '>', max_token(), "primary: claim($args) token is the largest so far");
 	push @tokens, $c->{token};
@@ -118,8 +84,7 @@ my %body = (
 	big    => q{(SELECT jsonb_agg(md5(i::text)) FROM generate_series(1, 5000) i)},
 );
 my %md5;
-$md5{$_} = $primary->safe_psql('postgres', "SELECT md5(($body{$_})::jsonb::text)")
-  foreach keys %body;
+$md5{$_} = body_md5($primary, 'postgres', $body{$_}) foreach keys %body;
 
 # --- keys written before the base backup -----------------------------------
 my $c = claimed(q{'ok-1', request => '{"order": 1}'});
@@ -127,10 +92,7 @@ finish('ok-1', $c->{token}, ", 201, $body{ok}");
 $c = claimed(q{'fail-1', request => '{"order": 2}'});
 finish('fail-1', $c->{token}, ", 402, $body{failed}, status => 'failed'");
 
-$primary->backup('base');
-my $standby = PostgreSQL::Test::Cluster->new('standby', port => 55446);
-$standby->init_from_backup($primary, 'base', has_streaming => 1);
-$standby->start;
+my $standby = new_standby($primary, 'standby', port => 55446);
 
 # --- keys written while the standby streams --------------------------------
 $c = claimed(q{'order', request => '{"sku": 1}', scope => 't:shop'}, 'tenant');
@@ -186,7 +148,7 @@ is($primary_lookup{'/never'},    '', 'primary: unknown key is absent');
 
 is(lookup($standby, 'order', 't:shop', 'tenant'), $primary_lookup{'t:shop/order'},
 	'standby: the tenant role looks up its own scope');
-is(sqlstate_of($standby,
+is(sqlstate_of($standby, 'postgres',
 		"SET ROLE tenant; SELECT * FROM idempotency.idem_lookup('ok-1', scope => '')"),
 	'42501', 'standby: the tenant role may not look up another scope (42501)');
 
@@ -194,7 +156,7 @@ is( $standby->safe_psql('postgres',
 		"SELECT concat_ws(',', pending, succeeded, failed) FROM idempotency.stats "
 		  . "WHERE database = current_database()"),
 	'2,5,1', 'standby: stats counts 2 pending, 5 succeeded, 1 failed');
-is(sqlstate_of($standby, 'SELECT * FROM idempotency.stats_counters()'),
+is(sqlstate_of($standby, 'postgres', 'SELECT * FROM idempotency.stats_counters()'),
 	'00000', 'standby: stats_counters() answers');
 is($standby->safe_psql('postgres', 'SET ROLE app; SELECT count(*) FROM idempotency.stats'),
 	'1', 'standby: an app role reads the stats view');
@@ -221,11 +183,12 @@ my @refused = (
 foreach my $r (@refused)
 {
 	my ($sql, $what) = @$r;
-	is(sqlstate_of($standby, $sql), '25006', "standby: $what raises 25006");
+	is(sqlstate_of($standby, 'postgres', $sql), '25006', "standby: $what raises 25006");
 }
-is(sqlstate_of($standby, "SET ROLE app; SELECT * FROM idempotency.idem_claim('k')"),
+is( sqlstate_of($standby, 'postgres',
+		"SET ROLE app; SELECT * FROM idempotency.idem_claim('k')"),
 	'25006', 'standby: an app role\'s claim raises 25006');
-is(sqlstate_of($standby,
+is(sqlstate_of($standby, 'postgres',
 		"SET ROLE tenant; SELECT * FROM idempotency.idem_claim('k', scope => 't:a')"),
 	'25006', 'standby: a tenant role\'s claim raises 25006');
 like(
@@ -281,23 +244,15 @@ foreach my $r (@replays)
 {
 	my ($args, $status, $code, $md5, $role) = @$r;
 	is_deeply(
-		claim($new, $args, $role),
-		{
-			outcome       => 'replay',
-			token         => undef,
-			attempt       => undef,
-			status        => $status,
-			response_code => $code,
-			body_md5      => $md5,
-			retry_after   => undef
-		},
+		claim($new, 'postgres', $args, role => $role),
+		replay_row($status, $code, $md5),
 		"new primary: claim($args) replays the stored $status result");
 }
-is(claim($new, q{'ok-1', request => '{"order": 3}'})->{outcome},
+is(claim($new, 'postgres', q{'ok-1', request => '{"order": 3}'})->{outcome},
 	'mismatch', 'new primary: ok-1 with another request is a mismatch');
 
 # A new key's token is above everything the standby had seen.
-$c = claim($new, q{'after-failover', lease => '1 hour'}, 'app');
+$c = claim($new, 'postgres', q{'after-failover', lease => '1 hour'}, role => 'app');
 is($c->{outcome}, 'claimed', 'new primary: an app role claims a new key');
 is($c->{attempt}, 1,         'new primary: attempt 1');
 cmp_ok($c->{token}, '>', $seen, 'new primary: its token is above any token the standby had seen');
@@ -305,24 +260,23 @@ cmp_ok($c->{token}, '>', max_token(), 'new primary: and above any the old primar
 my $after = $c->{token};
 
 # The live owner keeps its claim across the failover.
-$c = claim($new, q{'alive', request => '{"job": 1}'});
+$c = claim($new, 'postgres', q{'alive', request => '{"job": 1}'});
 is($c->{outcome}, 'in_progress', 'new primary: alive is in progress (lease kept)');
 cmp_ok($c->{retry_after}, '>', 1, 'new primary: retry_after counts the long lease');
-is(sqlstate_of($new, "SELECT idempotency.idem_extend('alive', $alive_token, '2 hours')"),
+is( sqlstate_of($new, 'postgres',
+		"SELECT idempotency.idem_extend('alive', $alive_token, '2 hours')"),
 	'00000', 'new primary: the owner extends its lease with its old token');
-is(sqlstate_of($new, "SELECT idempotency.idem_finish('alive', $alive_token, 200, $body{late})"),
+is( sqlstate_of($new, 'postgres',
+		"SELECT idempotency.idem_finish('alive', $alive_token, 200, $body{late})"),
 	'00000', 'new primary: the owner finishes with its old token');
-$c = claim($new, q{'alive', request => '{"job": 1}'});
+$c = claim($new, 'postgres', q{'alive', request => '{"job": 1}'});
 is($c->{outcome},  'replay',   'new primary: alive replays');
 is($c->{body_md5}, $md5{late}, 'new primary: with the owner\'s body');
 
 # The dead owner's key is reclaimable once its lease has passed.
-ok( $new->poll_query_until(
-		'postgres',
-		"SELECT lease_until < clock_timestamp() FROM idempotency.keys "
-		  . "WHERE scope = '' AND key = 'dead'"),
+ok(wait_lease_over($new, 'postgres', '', 'dead'),
 	'new primary: the dead owner\'s lease has passed');
-$c = claim($new, q{'dead', request => '{"job": 2}', lease => '1 hour'});
+$c = claim($new, 'postgres', q{'dead', request => '{"job": 2}', lease => '1 hour'});
 is($c->{outcome}, 'claimed', 'new primary: dead is claimed again');
 is($c->{attempt}, 2,         'new primary: as attempt 2');
 cmp_ok($c->{token}, '>', $after, 'new primary: the takeover token is the largest yet');
@@ -331,11 +285,12 @@ is($new->safe_psql('postgres',
 		"SELECT status || ',' || token || ',' || attempt FROM idempotency.keys "
 		  . "WHERE scope = '' AND key = 'dead'"),
 	"pending,$takeover,2", 'new primary: stored row: pending, new token, attempt 2');
-is(sqlstate_of($new, "SELECT idempotency.idem_finish('dead', $dead_token, 500)"),
+is(sqlstate_of($new, 'postgres', "SELECT idempotency.idem_finish('dead', $dead_token, 500)"),
 	'55006', 'new primary: the dead owner\'s token is refused (55006)');
-is(sqlstate_of($new, "SELECT idempotency.idem_finish('dead', $takeover, 200, $body{ok})"),
+is( sqlstate_of($new, 'postgres',
+		"SELECT idempotency.idem_finish('dead', $takeover, 200, $body{ok})"),
 	'00000', 'new primary: the new owner finishes');
-$c = claim($new, q{'dead', request => '{"job": 2}'});
+$c = claim($new, 'postgres', q{'dead', request => '{"job": 2}'});
 is($c->{outcome},       'replay', 'new primary: dead replays the new owner\'s result');
 is($c->{response_code}, 200,      'new primary: with its code');
 is($new->safe_psql('postgres', "SELECT attempt FROM idempotency.idem_lookup('dead')"),
@@ -347,7 +302,7 @@ cmp_ok($new->safe_psql('postgres',
 	'>=', 2, 'new primary: stats counts its claims');
 
 # The new primary sweeps.
-is(sqlstate_of($new, 'SELECT * FROM idempotency.idem_sweep()'),
+is(sqlstate_of($new, 'postgres', 'SELECT * FROM idempotency.idem_sweep()'),
 	'00000', 'new primary: idem_sweep runs');
 like($new->safe_psql('postgres', 'SELECT expired || \',\' || reset FROM idempotency.idem_sweep()'),
 	qr/^\d+,\d+$/, 'new primary: idem_sweep returns its counts');

@@ -52,6 +52,9 @@ use strict;
 use warnings FATAL => 'all';
 
 use Encode qw(encode_utf8);
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
@@ -63,16 +66,14 @@ my $LIMIT  = 1048576;    # idempotency.max_response_size (default, 1MB)
 srand($SEED);
 note "seed $SEED, $NCALLS random calls";
 
-my $node = PostgreSQL::Test::Cluster->new('hostile', port => 55447);
-$node->init(extra => [ '--encoding=UTF8', '--locale=C' ]);
-$node->append_conf(
-	'postgresql.conf', qq{
-shared_preload_libraries = 'idempotency'
-idempotency.sweep_interval = 0
-log_statement = none
-log_min_error_statement = panic
-});
-$node->start;
+my $node = new_node(
+	'hostile',
+	port => 55447,
+	init => [ extra => [ '--encoding=UTF8', '--locale=C' ] ],
+	conf => [
+		'idempotency.sweep_interval = 0', 'log_statement = none',
+		'log_min_error_statement = panic'
+	]);
 my $started = $node->safe_psql('postgres', 'SELECT pg_postmaster_start_time()');
 
 my $TENANT_PREFIX = "t\x{eb}nant:";    # "tënant:" (ë is two bytes)

@@ -38,15 +38,16 @@
 use strict;
 use warnings FATAL => 'all';
 
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('tenant', port => 55448);
-$node->init(extra => [ '--encoding=UTF8', '--locale=C' ]);
-$node->append_conf('postgresql.conf',
-	"shared_preload_libraries = 'idempotency'\nidempotency.sweep_interval = 0\n");
-$node->start;
+my $node = new_node('tenant', port => 55448,
+	init => [ extra => [ '--encoding=UTF8', '--locale=C' ] ],
+	conf => ['idempotency.sweep_interval = 0']);
 
 my $setup_roles = q{
 DO $$ BEGIN
@@ -76,14 +77,7 @@ sub sql { return $node->safe_psql('postgres', $_[0]); }
 sub as
 {
 	my ($role, $sql) = @_;
-	my ($ret, $out, $err) = $node->psql(
-		'postgres', "\\set VERBOSITY verbose\n$sql;",
-		extra_params => [ '-U', $role ]);
-	my $st =
-		($ret == 0 && $err !~ /ERROR/) ? '00000'
-	  : $err =~ /ERROR:\s+([0-9A-Z]{5}):/ ? $1
-	  :                                     "no SQLSTATE (ret $ret): $err";
-	return ($st, $out, $err);
+	return sql_result($node, 'postgres', $sql, user => $role);
 }
 sub state_as { return (as(@_))[0]; }
 

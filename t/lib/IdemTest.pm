@@ -1,0 +1,298 @@
+
+# Copyright: the idempotency extension authors.
+#
+# IdemTest: what the TAP tests (t/*.pl) of the idempotency extension share.
+# A test loads it with
+#
+#   use FindBin;
+#   use lib "$FindBin::Bin/lib";
+#   use IdemTest;
+#
+# which exports every sub below.  None of them runs a Test::More assertion:
+# they set up servers, run SQL and wait, and return what they found, so that
+# every ok/is/like (and its name) stays in the test file.  Each sub that runs
+# SQL takes the node and the database first.  The files themselves are not
+# TAP tests: prove runs t/*.pl only.
+
+package IdemTest;
+
+use strict;
+use warnings FATAL => 'all';
+
+use Exporter 'import';
+use File::Basename qw(basename);
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+
+our @EXPORT = qw(
+  new_node new_standby alter_system stop_sweeping
+  sql_result sqlstate_of
+  $CLAIM_COLS parse_claim claim replay_row mismatch_row body_md5 stored_row
+  finish_key expiring_keys
+  wait_lease_over wait_past_retention wait_commits wait_next_sweep
+  launcher_pid log_errors);
+
+# --- servers -------------------------------------------------------------------
+
+# A new node, initialized, configured and started.  Options:
+#   port      => the port (it only names the Unix socket file);
+#   init      => [ arguments of PostgreSQL::Test::Cluster::init ];
+#   conf      => [ lines to add to postgresql.conf ];
+#   preload   => 0 to leave out shared_preload_libraries = 'idempotency'
+#                (which comes first in postgresql.conf otherwise);
+#   extension => 1 to CREATE EXTENSION idempotency in database postgres.
+sub new_node
+{
+	my ($name, %opt) = @_;
+	my $node = PostgreSQL::Test::Cluster->new($name, port => $opt{port});
+	$node->init(@{ $opt{init} // [] });
+	my @conf = @{ $opt{conf} // [] };
+	unshift @conf, "shared_preload_libraries = 'idempotency'"
+	  if $opt{preload} // 1;
+	$node->append_conf('postgresql.conf', join('', map { "$_\n" } @conf))
+	  if @conf;
+	$node->start;
+	$node->safe_psql('postgres', 'CREATE EXTENSION idempotency')
+	  if $opt{extension};
+	return $node;
+}
+
+# A streaming standby of $primary, made from a base backup taken now, and
+# started.  Options: port, as for new_node.
+sub new_standby
+{
+	my ($primary, $name, %opt) = @_;
+	$primary->backup('base');
+	my $standby = PostgreSQL::Test::Cluster->new($name, port => $opt{port});
+	$standby->init_from_backup($primary, 'base', has_streaming => 1);
+	$standby->start;
+	return $standby;
+}
+
+# ALTER SYSTEM SET $setting = '$value', then reload the configuration.
+sub alter_system
+{
+	my ($node, $setting, $value) = @_;
+	$node->safe_psql('postgres', "ALTER SYSTEM SET $setting = '$value'");
+	$node->safe_psql('postgres', 'SELECT pg_reload_conf()');
+}
+
+# Turn the worker's sweeping off (sweep_interval = 0), and give a round that
+# was under way when the signal came a second to end.
+sub stop_sweeping
+{
+	my ($node) = @_;
+	alter_system($node, 'idempotency.sweep_interval', '0');
+	sleep(1);
+}
+
+# --- SQL and its SQLSTATE --------------------------------------------------------
+
+# Run $sql (without its final semicolon) through psql with VERBOSITY
+# verbose, as $opt{user} if given.  Returns (the SQLSTATE it ends with,
+# '00000' when it succeeds; stdout; stderr).
+sub sql_result
+{
+	my ($node, $db, $sql, %opt) = @_;
+	my ($ret, $out, $err) = $node->psql(
+		$db, "\\set VERBOSITY verbose\n$sql;",
+		$opt{user} ? (extra_params => [ '-U', $opt{user} ]) : ());
+	my $state =
+		($ret == 0 && $err !~ /ERROR/) ? '00000'
+	  : $err =~ /ERROR:\s+([0-9A-Z]{5}):/ ? $1
+	  :                                     "no SQLSTATE (ret $ret): $err";
+	return ($state, $out, $err);
+}
+
+# The SQLSTATE $sql ends with ('00000' when it succeeds); as sql_result.
+sub sqlstate_of
+{
+	return (sql_result(@_))[0];
+}
+
+# --- claims and keys -------------------------------------------------------------
+
+# The columns of idem_claim's outcome row that parse_claim reads, the
+# response body as its md5.
+our $CLAIM_COLS =
+  'outcome, token, attempt, status, response_code, md5(response_body::text), retry_after';
+
+# One line of "SELECT $CLAIM_COLS" output as a hashref (outcome, token,
+# attempt, status, response_code, body_md5, retry_after); SQL NULL becomes
+# undef.  Dies on any other line, or with lenient => 1 returns
+# { outcome => "unexpected output: '...'" } so that the caller's check fails.
+sub parse_claim
+{
+	my ($line, %opt) = @_;
+	my @f = split /\|/, $line, -1;
+	if (@f != 7)
+	{
+		return { outcome => "unexpected output: '$line'" } if $opt{lenient};
+		die "unexpected idem_claim output: '$line'";
+	}
+	my %r;
+	@r{qw(outcome token attempt status response_code body_md5 retry_after)} =
+	  map { $_ eq '' ? undef : $_ } @f;
+	return \%r;
+}
+
+# idem_claim($args) in $db ($args is the SQL argument list, e.g.
+# "'k', request => '{}'"), after SET ROLE $opt{role} if given.  Returns the
+# outcome row as parse_claim does.
+sub claim
+{
+	my ($node, $db, $args, %opt) = @_;
+	my $set = defined $opt{role} ? "SET ROLE $opt{role};\n" : '';
+	return parse_claim(
+		$node->safe_psql($db,
+			"${set}SELECT $CLAIM_COLS FROM idempotency.idem_claim($args)"));
+}
+
+# The claim row a replay of a stored result must be (for is_deeply).
+sub replay_row
+{
+	my ($status, $code, $body_md5) = @_;
+	return {
+		outcome       => 'replay',
+		token         => undef,
+		attempt       => undef,
+		status        => $status,
+		response_code => $code,
+		body_md5      => $body_md5,
+		retry_after   => undef
+	};
+}
+
+# The claim row of a mismatch: every column but the outcome NULL.
+sub mismatch_row
+{
+	return {
+		outcome       => 'mismatch',
+		token         => undef,
+		attempt       => undef,
+		status        => undef,
+		response_code => undef,
+		body_md5      => undef,
+		retry_after   => undef
+	};
+}
+
+# The body_md5 a claim reports for the response $json (an SQL expression).
+sub body_md5
+{
+	my ($node, $db, $json) = @_;
+	return $node->safe_psql($db, "SELECT md5(($json)::jsonb::text)");
+}
+
+# Every column of the stored key $scope/$key as one line, response_body as
+# its md5 ('' when the key is absent).
+sub stored_row
+{
+	my ($node, $db, $scope, $key) = @_;
+	return $node->safe_psql($db,
+		    "SELECT status, token, attempt, encode(fingerprint, 'hex'), "
+		  . "response_code, md5(response_body::text), created_at, finished_at, "
+		  . "lease_until, expires_at, retention, sweep_at "
+		  . "FROM idempotency.keys WHERE scope = '$scope' AND key = '$key'");
+}
+
+# Claim $key (default scope) with a 1 second lease and finish it at once
+# with code 200 and the response $body (an SQL jsonb expression; none when
+# undef), to be kept for $retention.  Returns the claim's row (as claim).
+sub finish_key
+{
+	my ($node, $db, $key, $retention, $body) = @_;
+	my $c = claim($node, $db,
+		"'$key', lease => '1 second', retention => '$retention'");
+	$node->safe_psql($db,
+		"SELECT idempotency.idem_finish('$key', $c->{token}, 200"
+		  . (defined $body ? ", $body" : '') . ")");
+	return $c;
+}
+
+# $n keys "$prefix-1" .. "$prefix-$n" in $db, claimed and finished (code
+# 200) in one statement with a 1 second lease and retention: past
+# retention a second from now.  Returns how many were finished.
+sub expiring_keys
+{
+	my ($node, $db, $prefix, $n) = @_;
+	return $node->safe_psql($db,
+		    "SELECT count(*) FROM ("
+		  . "SELECT idempotency.idem_finish('$prefix-' || i, c.token, 200) "
+		  . "FROM generate_series(1, $n) AS i, "
+		  . "LATERAL idempotency.idem_claim('$prefix-' || i, lease => '1 second', "
+		  . "retention => '1 second') AS c) AS f");
+}
+
+# --- waiting ------------------------------------------------------------------------
+# Each returns what poll_query_until returns: true once the condition holds,
+# false when it timed out.
+
+# Until the lease of $scope/$key has ended (or the key has none).
+sub wait_lease_over
+{
+	my ($node, $db, $scope, $key) = @_;
+	return $node->poll_query_until($db,
+		    "SELECT coalesce(lease_until < clock_timestamp(), true) "
+		  . "FROM idempotency.keys WHERE scope = '$scope' AND key = '$key'");
+}
+
+# Until key $key is past its retention.
+sub wait_past_retention
+{
+	my ($node, $db, $key) = @_;
+	return $node->poll_query_until($db,
+		    "SELECT expires_at < clock_timestamp() FROM idempotency.keys "
+		  . "WHERE key = '$key'");
+}
+
+# Until $n more transactions have committed in database $db, counted from
+# now.  In a database no client uses, those are the worker's visits.
+sub wait_commits
+{
+	my ($node, $db, $n) = @_;
+	my $c = $node->safe_psql('postgres',
+		"SELECT xact_commit FROM pg_stat_database WHERE datname = '$db'");
+	return $node->poll_query_until('postgres',
+		    "SELECT xact_commit >= $c + $n FROM pg_stat_database "
+		  . "WHERE datname = '$db'");
+}
+
+# Until the stats view records a sweep of database $db later than the last
+# one recorded now (the view is read in database postgres).
+sub wait_next_sweep
+{
+	my ($node, $db) = @_;
+	my $last = $node->safe_psql('postgres',
+		"SELECT coalesce(last_sweep_at, '-infinity') FROM idempotency.stats "
+		  . "WHERE database = '$db'");
+	return $node->poll_query_until('postgres',
+		    "SELECT last_sweep_at > '$last' FROM idempotency.stats "
+		  . "WHERE database = '$db'");
+}
+
+# --- the worker and the server log --------------------------------------------------
+
+# The pid of the idempotency launcher ('' when none runs).
+sub launcher_pid
+{
+	my ($node) = @_;
+	return $node->safe_psql('postgres',
+		"SELECT pid FROM pg_stat_activity "
+		  . "WHERE backend_type = 'idempotency launcher'");
+}
+
+# The lines of $node's server log that match $opt{pattern} (default: ERROR,
+# FATAL, PANIC or "failed"), from byte $opt{offset} on, joined by newlines;
+# '' when there are none.  The test's own statements are left out: client
+# sessions carry the test file's name (PGAPPNAME) in the log line prefix.
+sub log_errors
+{
+	my ($node, %opt) = @_;
+	my $pattern = $opt{pattern} // qr/ERROR|FATAL|PANIC|failed/;
+	my $own = basename($0);
+	return join "\n", grep { /$pattern/ && !/\Q$own\E/ }
+	  split /\n/, slurp_file($node->logfile, $opt{offset});
+}
+
+1;
