@@ -50,9 +50,10 @@ ok( $primary->poll_query_until(
 		"SELECT count(*) = 0 FROM idempotency.keys WHERE key = 'swept-on-primary'"),
 	'the primary\'s worker expires it');
 # The sweeper commits asynchronously (a lost sweep is redone), so its DELETE
-# can be visible here before its WAL is written; a synchronous commit of a
-# transaction with an XID flushes everything before it.
-$primary->safe_psql('postgres', 'SELECT pg_current_xact_id()');
+# can be visible here before its WAL is written (and the primary's write
+# position, which wait_for_catchup waits for, has not moved yet).  A
+# checkpoint flushes all WAL before it.
+$primary->safe_psql('postgres', 'CHECKPOINT');
 $primary->wait_for_catchup($standby);
 is( on_standby("SELECT string_agg(key, ',' ORDER BY key) FROM idempotency.keys"),
 	'kept', 'the deletion replicated: only kept remains on the standby');
