@@ -428,11 +428,6 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	TimestampTz now = GetCurrentTimestamp();
 	IdemRow		row;
 	ClaimAction action;
-	TimestampTz lease_until;
-	TimestampTz expires_at;
-	Interval   *lease;
-	Interval   *retention;
-	int64		token;
 
 	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	if (claim_decide(args, &row, now, res) == ACTION_ANSWER)
@@ -453,6 +448,12 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	action = claim_decide(args, &row, now, res);
 	if (action != ACTION_ANSWER)
 	{
+		TimestampTz lease_until;
+		TimestampTz expires_at;
+		Interval   *lease;
+		Interval   *retention;
+		int64		token;
+
 		idem_store_check_snapshot(&row);
 
 		lease = args->lease ? args->lease : interval_from_ms(idem_lease_ms);

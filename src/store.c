@@ -284,7 +284,6 @@ store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
 	Datum	   *v;
 	bool	   *n;
 	const char *status;
-	bytea	   *fp;
 
 	slot_getallattrs(slot);
 	v = slot->tts_values;
@@ -299,7 +298,8 @@ store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
 	row->has_fingerprint = !n[COL_FINGERPRINT - 1];
 	if (row->has_fingerprint)
 	{
-		fp = DatumGetByteaPP(v[COL_FINGERPRINT - 1]);
+		bytea	   *fp = DatumGetByteaPP(v[COL_FINGERPRINT - 1]);
+
 		if (VARSIZE_ANY_EXHDR(fp) != IDEM_FINGERPRINT_LEN)
 			elog(ERROR, "stored fingerprint has length %d",
 				 (int) VARSIZE_ANY_EXHDR(fp));
@@ -632,7 +632,7 @@ static int
 store_execute(SPIPlanPtr plan, Datum *values, const char *nulls)
 {
 	bool		save_enable_seqscan = enable_seqscan;
-	int			rc;
+	volatile int rc = 0;
 
 	enable_seqscan = false;
 	PG_TRY();
