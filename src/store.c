@@ -620,11 +620,11 @@ idem_store_end(void)
 }
 
 /*
- * Execute a prepared statement that addresses rows by ctid.  Its generic
- * plan is built at the first execution (and again after an invalidation);
- * if the table looks empty to the planner then (freshly vacuumed), a Seq
- * Scan costs nothing and would be kept for every later call on a growing
- * table.  So seq scans are disabled while the statement runs (and may be
+ * Execute one of the store's prepared statements (each addresses rows by
+ * ctid or through an index).  Its generic plan is built at the first
+ * execution (and again after an invalidation); if the table looks empty to
+ * the planner then (freshly vacuumed), a Seq Scan costs nothing and would
+ * be kept for every later call on a growing table.  So seq scans are disabled while the statement runs (and may be
  * planned): the variable is flipped directly, which is what SET does
  * without its bookkeeping, and restored even on error.
  */
@@ -842,9 +842,8 @@ idem_store_sweep_candidates(TimestampTz now, int limit,
 
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int64GetDatum((int64) limit);
-	/* Not read-only: each fetch must see this sweep's own earlier writes. */
-	rc = SPI_execute_plan(store_plan(PLAN_SWEEP_CANDIDATES), values, NULL,
-						  false, 0);
+	/* store_execute is not read-only: each fetch sees this sweep's writes. */
+	rc = store_execute(store_plan(PLAN_SWEEP_CANDIDATES), values, NULL);
 	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "idempotency sweep query failed: %s",
 			 SPI_result_code_string(rc));

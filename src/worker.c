@@ -308,9 +308,17 @@ typedef struct DbEntry
 } DbEntry;
 
 /*
- * The databases worth visiting: connections allowed, not a template, not
- * half-dropped.  Read from the shared catalog pg_database.
+ * Is a database worth visiting: connections allowed, not a template (a
+ * sweeper sitting in template1 would make CREATE DATABASE fail), not
+ * half-dropped (DATCONNLIMIT_INVALID_DB, -2)?
  */
+static bool
+launcher_visitable(Form_pg_database db)
+{
+	return db->datallowconn && !db->datistemplate && db->datconnlimit != -2;
+}
+
+/* The databases worth visiting, read from the shared catalog pg_database. */
 static List *
 launcher_databases(void)
 {
@@ -332,8 +340,7 @@ launcher_databases(void)
 		DbEntry    *entry;
 		MemoryContext old;
 
-		if (!db->datallowconn || db->datistemplate ||
-			db->datconnlimit == -2)	/* DATCONNLIMIT_INVALID_DB */
+		if (!launcher_visitable(db))
 			continue;
 		old = MemoryContextSwitchTo(outer);
 		entry = palloc(sizeof(DbEntry));
@@ -364,8 +371,7 @@ launcher_database_ok(Oid dbid)
 	{
 		Form_pg_database db = (Form_pg_database) GETSTRUCT(tup);
 
-		ok = db->datallowconn && !db->datistemplate &&
-			db->datconnlimit != -2;
+		ok = launcher_visitable(db);
 		ReleaseSysCache(tup);
 	}
 	CommitTransactionCommand();
