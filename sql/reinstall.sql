@@ -56,3 +56,33 @@ SELECT idempotency.idem_finish('r3', k.token, 200, NULL, 'reinstall') IS NOT NUL
 SELECT key, status FROM idempotency.keys WHERE scope = 'reinstall' ORDER BY key;
 
 DELETE FROM idempotency.keys WHERE scope = 'reinstall';
+
+-- the indexes the C code scans directly must be the ones the extension
+-- created: a dropped or look-alike index is refused with 55000 before any
+-- scan (rolled back: the original indexes come back and work)
+\set VERBOSITY default
+BEGIN;
+DROP INDEX idempotency.keys_sweep_at_idx;
+SAVEPOINT s;
+SELECT outcome FROM idempotency.idem_claim('r4', scope => 'reinstall');
+ROLLBACK TO s;
+CREATE INDEX keys_sweep_at_idx ON idempotency.keys (expires_at);
+SAVEPOINT s;
+SELECT * FROM idempotency.idem_sweep(10);
+ROLLBACK TO s;
+SELECT outcome FROM idempotency.idem_claim('r4', scope => 'reinstall');
+ROLLBACK TO s;
+DROP INDEX idempotency.keys_sweep_at_idx;
+CREATE INDEX keys_sweep_at_idx ON idempotency.keys (sweep_at) WHERE status = 'pending';
+SELECT * FROM idempotency.idem_sweep(10);
+ROLLBACK;
+BEGIN;
+ALTER TABLE idempotency.keys DROP CONSTRAINT keys_pkey;
+CREATE UNIQUE INDEX keys_pkey ON idempotency.keys (key, scope);
+SELECT outcome FROM idempotency.idem_claim('r4', scope => 'reinstall');
+ROLLBACK;
+\set VERBOSITY sqlstate
+SELECT outcome, attempt FROM idempotency.idem_claim('r4', scope => 'reinstall');
+SELECT * FROM idempotency.idem_sweep(10);
+SELECT count(*) AS rows FROM idempotency.keys WHERE scope = 'reinstall';
+DELETE FROM idempotency.keys WHERE scope = 'reinstall';

@@ -134,3 +134,39 @@ COMMIT;
 SELECT key, status, attempt, token IS NULL AS token_null FROM idempotency.keys
  WHERE scope = 'sweep-batch' ORDER BY key;
 DELETE FROM idempotency.keys WHERE scope = 'sweep-batch';
+
+--
+-- Expired keys are deleted straight from the heap unless the table has
+-- triggers: then the executor's DELETE runs, so that a user's trigger (or a
+-- foreign key referencing the table) still sees every delete.  Both paths,
+-- each in one transaction (the worker cannot see these rows).
+--
+BEGIN;
+INSERT INTO r SELECT 'd' || g, c.* FROM generate_series(1, 3) g,
+       idempotency.idem_claim('d' || g, scope => 'sweep-direct') c;
+SELECT count(*) FILTER (WHERE idempotency.idem_finish(step, token, 200, NULL, 'sweep-direct',
+           retention => '1 millisecond') IS NOT NULL) AS finished
+  FROM r WHERE step IN ('d1', 'd2', 'd3');
+SELECT pg_sleep(0.01);
+SELECT * FROM idempotency.idem_sweep();
+SELECT count(*) AS rows FROM idempotency.keys WHERE scope = 'sweep-direct';
+COMMIT;
+
+CREATE TABLE sweep_log (scope text, key text, status text);
+CREATE FUNCTION sweep_log_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO sweep_log VALUES (OLD.scope, OLD.key, OLD.status); RETURN OLD; END $$;
+BEGIN;
+CREATE TRIGGER keys_sweep_log AFTER DELETE ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION sweep_log_delete();
+INSERT INTO r SELECT 't' || g, c.* FROM generate_series(1, 3) g,
+       idempotency.idem_claim('t' || g, scope => 'sweep-trigger') c;
+SELECT count(*) FILTER (WHERE idempotency.idem_finish(step, token, 200, NULL, 'sweep-trigger',
+           retention => '1 millisecond') IS NOT NULL) AS finished
+  FROM r WHERE step IN ('t1', 't2', 't3');
+SELECT pg_sleep(0.01);
+SELECT * FROM idempotency.idem_sweep();
+SELECT count(*) AS rows FROM idempotency.keys WHERE scope = 'sweep-trigger';
+SELECT * FROM sweep_log ORDER BY key;
+ROLLBACK;
+DROP TABLE sweep_log;
+DROP FUNCTION sweep_log_delete();

@@ -143,8 +143,8 @@ typedef enum IdemSweepWork
 	IDEM_SWEEP_RESCHEDULE		/* found early: move sweep_at forward */
 } IdemSweepWork;
 
-extern void idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids,
-								   int n, TimestampTz now);
+extern int	idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids,
+								  int n, TimestampTz now);
 extern int	idem_store_sweep_candidates(TimestampTz now, int limit,
 										ItemPointerData **tids,
 										text ***scopes, text ***keys);

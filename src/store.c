@@ -32,7 +32,9 @@
 #include "access/xlog.h"
 #include "catalog/dependency.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_am.h"
 #include "catalog/pg_class.h"
+#include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "commands/sequence.h"
@@ -88,6 +90,7 @@ typedef struct StoreRels
 	bool		valid;
 	Oid			keys;
 	Oid			pkey;
+	Oid			sweep_idx;		/* keys_sweep_at_idx */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
 } StoreRels;
@@ -103,7 +106,6 @@ typedef enum StorePlan
 	PLAN_FINISH,
 	PLAN_EXTEND,
 	PLAN_DELETE,
-	PLAN_SWEEP_CANDIDATES,
 	PLAN_SWEEP_DELETE,
 	PLAN_SWEEP_RESET,
 	PLAN_SWEEP_RESCHEDULE,
@@ -152,12 +154,6 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 		"DELETE FROM idempotency.keys WHERE ctid OPERATOR(pg_catalog.=) $1",
 		1, {TIDOID}
 	},
-	[PLAN_SWEEP_CANDIDATES] = {
-		"SELECT ctid, scope, key FROM idempotency.keys "
-		"WHERE sweep_at OPERATOR(pg_catalog.<=) $1 "
-		"ORDER BY sweep_at LIMIT $2",
-		2, {TIMESTAMPTZOID, INT8OID}
-	},
 	[PLAN_SWEEP_DELETE] = {
 		"DELETE FROM idempotency.keys "
 		"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1)",
@@ -192,7 +188,7 @@ static void
 store_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == rels.keys || relid == rels.pkey ||
-		relid == rels.token_seq)
+		relid == rels.sweep_idx || relid == rels.token_seq)
 		rels.valid = false;
 }
 
@@ -237,6 +233,34 @@ store_check_columns(Relation heap)
 }
 
 /*
+ * Refuse an index that is not the btree on "ncols" columns of
+ * idempotency.keys we scan directly (indexes are not extension members:
+ * they belong to their table, so check what they index).
+ */
+static void
+store_check_index(Oid indexid, int ncols, AttrNumber col1, AttrNumber col2)
+{
+	Relation	index = index_open(indexid, AccessShareLock);
+	Form_pg_index form = index->rd_index;
+	bool		ok;
+
+	ok = form->indrelid == rels.keys && form->indisvalid &&
+		index->rd_rel->relam == BTREE_AM_OID &&
+		form->indnkeyatts == ncols &&
+		form->indkey.values[0] == col1 &&
+		(ncols < 2 || form->indkey.values[1] == col2) &&
+		heap_attisnull(index->rd_indextuple, Anum_pg_index_indexprs, NULL) &&
+		heap_attisnull(index->rd_indextuple, Anum_pg_index_indpred, NULL);
+	index_close(index, NoLock);
+	if (!ok)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("index \"%s\" is not the index extension \"idempotency\" created",
+						get_rel_name(indexid)),
+				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
+}
+
+/*
  * Find the extension's relations.  The schema name is fixed (the extension
  * is not relocatable), so no search_path is involved.
  */
@@ -257,10 +281,11 @@ store_lookup_rels(void)
 	{
 		rels.keys = get_relname_relid("keys", nsp);
 		rels.pkey = get_relname_relid("keys_pkey", nsp);
+		rels.sweep_idx = get_relname_relid("keys_sweep_at_idx", nsp);
 		rels.token_seq = get_relname_relid("token_seq", nsp);
 	}
 	if (!OidIsValid(nsp) || !OidIsValid(rels.keys) ||
-		!OidIsValid(rels.pkey) || !OidIsValid(rels.token_seq))
+		!OidIsValid(rels.token_seq))
 		ereport(ERROR,
 				(errcode(ERRCODE_UNDEFINED_OBJECT),
 				 errmsg("extension \"idempotency\" is not installed in this database"),
@@ -274,6 +299,14 @@ store_lookup_rels(void)
 		rels.owner = heap->rd_rel->relowner;
 		table_close(heap, NoLock);
 	}
+	if (!OidIsValid(rels.pkey) || !OidIsValid(rels.sweep_idx))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("index \"%s\" of extension \"idempotency\" is missing",
+						OidIsValid(rels.pkey) ? "keys_sweep_at_idx" : "keys_pkey"),
+				 errhint("Someone dropped the extension's objects; reinstall the extension.")));
+	store_check_index(rels.pkey, 2, COL_SCOPE, COL_KEY);
+	store_check_index(rels.sweep_idx, 1, COL_SWEEP_AT, 0);
 	rels.valid = true;
 }
 
@@ -791,12 +824,48 @@ idem_store_delete(const IdemRow *row)
 }
 
 /*
+ * Delete the row versions at "tids" without the executor: heap_delete with
+ * wait = false, so a row that another transaction updated or deleted since
+ * our re-read is skipped, never waited on.  A row that reports being
+ * modified is a row someone holds a row lock on: our own transaction (a
+ * caller that locked its keys FOR UPDATE before sweeping), or a locker that
+ * came after our re-read.  Those are moved to the front of "tids" for the
+ * executor's DELETE, exactly as they would have gone before.  Only used
+ * when the table has no triggers (a foreign key referencing the table, or
+ * a user's audit trigger, needs the executor).  Returns how many rows it
+ * deleted; *nleft is how many it left to the executor.
+ */
+static int
+store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n,
+						  int *nleft)
+{
+	CommandId	cid = GetCurrentCommandId(true);
+	int			deleted = 0;
+
+	*nleft = 0;
+	for (int i = 0; i < n; i++)
+	{
+		TM_FailureData tmfd;
+		TM_Result	result;
+
+		result = table_tuple_delete(heap, &tids[i], cid, InvalidSnapshot,
+									InvalidSnapshot, false, &tmfd, false);
+		if (result == TM_Ok)
+			deleted++;
+		else if (result == TM_BeingModified)
+			tids[(*nleft)++] = tids[i];
+	}
+	return deleted;
+}
+
+/*
  * Apply one kind of sweep work to the rows at "tids" (all locked by the
  * caller and probed at exactly these versions): delete them, reset them
  * (their tokens die), or move their sweep_at to when they are due.  One
- * statement for the whole chunk.
+ * statement for the whole chunk, or direct deletes (see above).  Returns
+ * how many rows it changed.
  */
-void
+int
 idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 					   TimestampTz now)
 {
@@ -808,9 +877,19 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 	Datum	   *elems;
 	Datum		values[2];
 	int			rc;
+	int			done = 0;
 
+	if (n > 0 && work == IDEM_SWEEP_DELETE)
+	{
+		Relation	heap = table_open(rels.keys, RowExclusiveLock);
+
+		if (heap->trigdesc == NULL)
+			done = store_sweep_delete_direct(heap, tids, n, &n);
+		table_close(heap, NoLock);
+	}
 	if (n == 0)
-		return;
+		return done;
+
 	elems = palloc(sizeof(Datum) * n);
 	for (int i = 0; i < n; i++)
 		elems[i] = PointerGetDatum(&tids[i]);
@@ -824,46 +903,64 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 			 SPI_result_code_string(rc));
 	if (SPI_processed != (uint64) n)
 		store_vanished();
+	return done + n;
 }
 
 /*
- * Up to "limit" keys the sweeper may have work on at "now", oldest first,
- * copied into the caller's memory context.  Returns how many.
+ * Up to "limit" keys the sweeper may have work on at "now", oldest first:
+ * a direct scan of keys_sweep_at_idx (no executor, no tuple copies beyond
+ * the scope and key), through the snapshot a statement would get now, so
+ * that each fetch sees this sweep's earlier writes.  The arrays and texts
+ * are allocated in the current memory context.  Returns how many.
  */
 int
 idem_store_sweep_candidates(TimestampTz now, int limit,
 							ItemPointerData **tids, text ***scopes,
 							text ***keys)
 {
-	Datum		values[2];
-	int			rc;
-	int			n;
-	MemoryContext old;
+	Relation	heap;
+	Relation	index;
+	ScanKeyData skey;
+	IndexScanDesc scan;
+	TupleTableSlot *slot;
+	int			n = 0;
+	int			alloc = Min(limit, 256);
 
-	values[0] = TimestampTzGetDatum(now);
-	values[1] = Int64GetDatum((int64) limit);
-	/* store_execute is not read-only: each fetch sees this sweep's writes. */
-	rc = store_execute(store_plan(PLAN_SWEEP_CANDIDATES), values, NULL);
-	if (rc != SPI_OK_SELECT)
-		elog(ERROR, "idempotency sweep query failed: %s",
-			 SPI_result_code_string(rc));
+	store_lookup_rels();
+	*tids = palloc(sizeof(ItemPointerData) * alloc);
+	*scopes = palloc(sizeof(text *) * alloc);
+	*keys = palloc(sizeof(text *) * alloc);
 
-	n = (int) SPI_processed;
-	old = MemoryContextSwitchTo(caller_cxt);
-	*tids = palloc(sizeof(ItemPointerData) * Max(n, 1));
-	*scopes = palloc(sizeof(text *) * Max(n, 1));
-	*keys = palloc(sizeof(text *) * Max(n, 1));
-	for (int i = 0; i < n; i++)
+	heap = table_open(rels.keys, AccessShareLock);
+	index = index_open(rels.sweep_idx, AccessShareLock);
+	CommandCounterIncrement();
+	PushCopiedSnapshot(GetTransactionSnapshot());
+	UpdateActiveSnapshotCommandId();
+
+	ScanKeyInit(&skey, 1, BTLessEqualStrategyNumber, F_TIMESTAMPTZ_LE,
+				TimestampTzGetDatum(now));
+	slot = table_slot_create(heap, NULL);
+	scan = index_beginscan(heap, index, GetActiveSnapshot(), 1, 0);
+	index_rescan(scan, &skey, 1, NULL, 0);
+	while (n < limit && index_getnext_slot(scan, ForwardScanDirection, slot))
 	{
-		HeapTuple	tup = SPI_tuptable->vals[i];
-		TupleDesc	desc = SPI_tuptable->tupdesc;
-		bool		isnull;
-
-		ItemPointerCopy((ItemPointer) DatumGetPointer(SPI_getbinval(tup, desc, 1, &isnull)),
-						&(*tids)[i]);
-		(*scopes)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 2, &isnull));
-		(*keys)[i] = DatumGetTextPCopy(SPI_getbinval(tup, desc, 3, &isnull));
+		if (n == alloc)
+		{
+			alloc = Min((int64) alloc * 2, (int64) limit);
+			*tids = repalloc(*tids, sizeof(ItemPointerData) * alloc);
+			*scopes = repalloc(*scopes, sizeof(text *) * alloc);
+			*keys = repalloc(*keys, sizeof(text *) * alloc);
+		}
+		slot_getsomeattrs(slot, COL_KEY);
+		(*tids)[n] = slot->tts_tid;
+		(*scopes)[n] = DatumGetTextPCopy(slot->tts_values[COL_SCOPE - 1]);
+		(*keys)[n] = DatumGetTextPCopy(slot->tts_values[COL_KEY - 1]);
+		n++;
 	}
-	MemoryContextSwitchTo(old);
+	index_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	PopActiveSnapshot();
+	index_close(index, NoLock);
+	table_close(heap, NoLock);
 	return n;
 }

@@ -18,6 +18,7 @@
 #include "postgres.h"
 
 #include "miscadmin.h"
+#include "utils/memutils.h"
 #include "utils/timestamp.h"
 
 #include "idempotency.h"
@@ -28,8 +29,8 @@
 /*
  * Sweep up to "n" candidate keys (n <= SWEEP_CHUNK) as one chunk: take each
  * key's lock without waiting, re-read its row version under the lock, sort
- * the keys into delete / reset / reschedule, apply each kind with one
- * statement, then release the locks.  Keys whose lock is taken, that
+ * the keys into delete / reset / reschedule, apply each kind at once,
+ * then release the locks.  Keys whose lock is taken, that
  * another transaction is changing, that our own open transaction is
  * claiming, or whose row changed since the candidate query are skipped.
  * Never does more than "batch" of each kind in total.  Returns how many
@@ -42,6 +43,7 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 	uint64		locked[SWEEP_CHUNK];
 	ItemPointerData work[3][SWEEP_CHUNK];
 	int			nwork[3] = {0, 0, 0};
+	int			done[3];
 	int			nlocked = 0;
 	IdemFetch	fetch;
 
@@ -87,14 +89,14 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 	idem_store_fetch_end(&fetch);
 
 	for (int kind = 0; kind < 3; kind++)
-		idem_store_sweep_apply((IdemSweepWork) kind, work[kind], nwork[kind],
-							   now);
+		done[kind] = idem_store_sweep_apply((IdemSweepWork) kind, work[kind],
+											nwork[kind], now);
 	for (int i = 0; i < nlocked; i++)
 		idem_store_unlock(locked[i]);
 
-	*expired += nwork[IDEM_SWEEP_DELETE];
-	*reset += nwork[IDEM_SWEEP_RESET];
-	return nwork[0] + nwork[1] + nwork[2];
+	*expired += done[IDEM_SWEEP_DELETE];
+	*reset += done[IDEM_SWEEP_RESET];
+	return done[0] + done[1] + done[2];
 }
 
 /*
@@ -113,11 +115,16 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 	TimestampTz now = GetCurrentTimestamp();
 	int			limit = (int) Min((int64) batch * 2, (int64) PG_INT32_MAX);
 	bool		more = false;
+	MemoryContext fetch_cxt;
+	MemoryContext old;
 
 	*expired = 0;
 	*reset = 0;
 
 	idem_store_begin();
+	fetch_cxt = AllocSetContextCreate(CurrentMemoryContext,
+									  "idempotency sweep fetch",
+									  ALLOCSET_DEFAULT_SIZES);
 	for (int fetch = 0; max_fetches == 0 || fetch < max_fetches; fetch++)
 	{
 		ItemPointerData *tids;
@@ -127,7 +134,10 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 		int			progress = 0;
 
 		CHECK_FOR_INTERRUPTS();
+		MemoryContextReset(fetch_cxt);
+		old = MemoryContextSwitchTo(fetch_cxt);
 		n = idem_store_sweep_candidates(now, limit, &tids, &scopes, &keys);
+		MemoryContextSwitchTo(old);
 		for (int i = 0; i < n && *expired < batch && *reset < batch;
 			 i += SWEEP_CHUNK)
 			progress += sweep_chunk(&tids[i], &scopes[i], &keys[i],
@@ -137,6 +147,7 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 		if (!more || *expired >= batch || *reset >= batch)
 			break;
 	}
+	MemoryContextDelete(fetch_cxt);
 	idem_store_end();
 
 	idem_stats_count(IDEM_STAT_EXPIRED, *expired);
