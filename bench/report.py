@@ -231,7 +231,7 @@ w("Row 1 / row 7 with %s keys in the tables: %s; with %s keys (%s in the floor's
   "big / small = **%s**%s." % (extra.get("n_small", "?"), fx(r12s), nb[0] if nb else "?",
                                nb[1] if len(nb) > 1 else "?", fx(r12b), fx(r12),
                                "" if extra.get("n_big") == "10000000" else
-                               " (default size; `ROWS_10M=1 bench/run` measures the issue's 10M keys)"))
+                               " (smaller than the issue's 10M keys: a QUICK or `ROWS_10M=0` run)"))
 if "bytes_per_key" in extra:
     tot, heap, idx, n, ext_tot, ext_n = (int(x) for x in extra["bytes_per_key"].split())
     w("")
