@@ -42,6 +42,7 @@
 #include "executor/tuptable.h"
 #include "miscadmin.h"
 #include "optimizer/cost.h"
+#include "storage/bufmgr.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
 #include "storage/procarray.h"
@@ -824,25 +825,52 @@ idem_store_delete(const IdemRow *row)
 }
 
 /*
+ * Is the tuple at "tid" row-locked (no update) by our own transaction
+ * alone?  Then deleting it does not wait.
+ */
+static bool
+store_locked_only_by_me(Relation heap, ItemPointer tid)
+{
+	Buffer		buf = ReadBuffer(heap, ItemPointerGetBlockNumber(tid));
+	Page		page;
+	OffsetNumber off = ItemPointerGetOffsetNumber(tid);
+	bool		mine = false;
+
+	LockBuffer(buf, BUFFER_LOCK_SHARE);
+	page = BufferGetPage(buf);
+	if (off >= FirstOffsetNumber && off <= PageGetMaxOffsetNumber(page) &&
+		ItemIdIsNormal(PageGetItemId(page, off)))
+	{
+		HeapTupleHeader tup = (HeapTupleHeader)
+			PageGetItem(page, PageGetItemId(page, off));
+		uint16		infomask = tup->t_infomask;
+
+		mine = !(infomask & HEAP_XMAX_INVALID) &&
+			!(infomask & HEAP_XMAX_IS_MULTI) &&
+			HEAP_XMAX_IS_LOCKED_ONLY(infomask) &&
+			TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetRawXmax(tup));
+	}
+	UnlockReleaseBuffer(buf);
+	return mine;
+}
+
+/*
  * Delete the row versions at "tids" without the executor: heap_delete with
- * wait = false, so a row that another transaction updated or deleted since
- * our re-read is skipped, never waited on.  A row that reports being
- * modified is a row someone holds a row lock on: our own transaction (a
- * caller that locked its keys FOR UPDATE before sweeping), or a locker that
- * came after our re-read.  Those are moved to the front of "tids" for the
- * executor's DELETE, exactly as they would have gone before.  Only used
- * when the table has no triggers (a foreign key referencing the table, or
- * a user's audit trigger, needs the executor).  Returns how many rows it
- * deleted; *nleft is how many it left to the executor.
+ * wait = false, so a row that another transaction changed or row-locked
+ * since our re-read is skipped, never waited on (waiting could deadlock
+ * with, say, an administrator's DELETE that is waiting for this sweep).  A
+ * row locked only by our own transaction (a caller that locked its keys FOR
+ * UPDATE before sweeping) is deleted anyway, which does not wait.  Only
+ * used when the table has no triggers (a foreign key referencing the
+ * table, or a user's audit trigger, needs the executor).  Returns how many
+ * rows it deleted.
  */
 static int
-store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n,
-						  int *nleft)
+store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n)
 {
 	CommandId	cid = GetCurrentCommandId(true);
 	int			deleted = 0;
 
-	*nleft = 0;
 	for (int i = 0; i < n; i++)
 	{
 		TM_FailureData tmfd;
@@ -850,10 +878,12 @@ store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n,
 
 		result = table_tuple_delete(heap, &tids[i], cid, InvalidSnapshot,
 									InvalidSnapshot, false, &tmfd, false);
+		if (result == TM_BeingModified &&
+			store_locked_only_by_me(heap, &tids[i]))
+			result = table_tuple_delete(heap, &tids[i], cid, InvalidSnapshot,
+										InvalidSnapshot, true, &tmfd, false);
 		if (result == TM_Ok)
 			deleted++;
-		else if (result == TM_BeingModified)
-			tids[(*nleft)++] = tids[i];
 	}
 	return deleted;
 }
@@ -877,18 +907,20 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 	Datum	   *elems;
 	Datum		values[2];
 	int			rc;
-	int			done = 0;
 
-	if (n > 0 && work == IDEM_SWEEP_DELETE)
+	if (n == 0)
+		return 0;
+	if (work == IDEM_SWEEP_DELETE)
 	{
 		Relation	heap = table_open(rels.keys, RowExclusiveLock);
+		int			deleted = -1;
 
 		if (heap->trigdesc == NULL)
-			done = store_sweep_delete_direct(heap, tids, n, &n);
+			deleted = store_sweep_delete_direct(heap, tids, n);
 		table_close(heap, NoLock);
+		if (deleted >= 0)
+			return deleted;
 	}
-	if (n == 0)
-		return done;
 
 	elems = palloc(sizeof(Datum) * n);
 	for (int i = 0; i < n; i++)
@@ -903,7 +935,7 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 			 SPI_result_code_string(rc));
 	if (SPI_processed != (uint64) n)
 		store_vanished();
-	return done + n;
+	return n;
 }
 
 /*
