@@ -116,7 +116,6 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 	int			limit = (int) Min((int64) batch * 2, (int64) PG_INT32_MAX);
 	bool		more = false;
 	MemoryContext fetch_cxt;
-	MemoryContext old;
 
 	*expired = 0;
 	*reset = 0;
@@ -132,6 +131,7 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 		text	  **keys;
 		int			n;
 		int			progress = 0;
+		MemoryContext old;
 
 		CHECK_FOR_INTERRUPTS();
 		MemoryContextReset(fetch_cxt);
