@@ -5,12 +5,6 @@
 -- they did, and the key counts come from the table.
 --
 \set VERBOSITY sqlstate
-CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
-	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
-CREATE TEMP VIEW counters AS
-SELECT claims, takeovers, replays, in_progress, mismatches, finishes, releases
-  FROM idempotency.stats WHERE database = current_database();
 
 -- in a database that has not counted anything yet, the counters read 0
 -- (NULL would mean "library not preloaded"; bug report regress-3)
@@ -24,12 +18,22 @@ SELECT database = current_database() AS this_db, claims, takeovers, replays, in_
 \c :regress_db
 DROP DATABASE regress_idem_stats_fresh WITH (FORCE);
 \set VERBOSITY sqlstate
+-- (temporary objects after the \c above: a reconnect drops them)
+CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
+	attempt int, status text, response_code int, response_body jsonb,
+	retry_after int, n serial);
+CREATE TEMP VIEW counters AS
+SELECT claims, takeovers, replays, in_progress, mismatches, finishes, releases
+  FROM idempotency.stats WHERE database = current_database();
 
 -- this database's row is always there
 SELECT count(*) AS rows FROM idempotency.stats WHERE database = current_database();
+SELECT clock_timestamp() AS before_reset \gset
 SELECT idempotency.stats_reset() AS reset;
 SELECT * FROM counters;
-SELECT last_sweep_at IS NULL AS never_swept FROM idempotency.stats WHERE database = current_database();
+-- last_sweep_at was cleared (the worker may sweep this database again at once)
+SELECT last_sweep_at IS NULL OR last_sweep_at >= :'before_reset' AS cleared
+  FROM idempotency.stats WHERE database = current_database();
 
 -- claimed, in_progress, mismatch, finish, replay x2
 INSERT INTO r SELECT 'a', * FROM idempotency.idem_claim('a', '{"v": 1}', 'stats') RETURNING step, outcome;
@@ -84,8 +88,10 @@ SELECT expired - :expired0 >= 1 AND reset - :reset0 >= 1 AS counted,
   FROM idempotency.stats WHERE database = current_database();
 
 -- stats_reset zeroes everything again
+SELECT clock_timestamp() AS before_reset \gset
 SELECT idempotency.stats_reset() AS reset;
-SELECT *, (SELECT expired = 0 AND reset = 0 AND last_sweep_at IS NULL
+SELECT *, (SELECT expired = 0 AND reset = 0 AND
+                  (last_sweep_at IS NULL OR last_sweep_at >= :'before_reset')
              FROM idempotency.stats WHERE database = current_database()) AS sweep_counters_zero
   FROM counters;
 

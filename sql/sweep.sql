@@ -168,5 +168,19 @@ SELECT * FROM idempotency.idem_sweep();
 SELECT count(*) AS rows FROM idempotency.keys WHERE scope = 'sweep-trigger';
 SELECT * FROM sweep_log ORDER BY key;
 ROLLBACK;
+-- a DELETE rule likewise
+BEGIN;
+CREATE RULE keys_sweep_log AS ON DELETE TO idempotency.keys
+	DO ALSO INSERT INTO sweep_log VALUES (OLD.scope, OLD.key, OLD.status);
+INSERT INTO r SELECT 'u' || g, c.* FROM generate_series(1, 2) g,
+       idempotency.idem_claim('u' || g, scope => 'sweep-rule') c;
+SELECT count(*) FILTER (WHERE idempotency.idem_finish(step, token, 200, NULL, 'sweep-rule',
+           retention => '1 millisecond') IS NOT NULL) AS finished
+  FROM r WHERE step IN ('u1', 'u2');
+SELECT pg_sleep(0.01);
+SELECT * FROM idempotency.idem_sweep();
+SELECT count(*) AS rows FROM idempotency.keys WHERE scope = 'sweep-rule';
+SELECT * FROM sweep_log ORDER BY key;
+ROLLBACK;
 DROP TABLE sweep_log;
 DROP FUNCTION sweep_log_delete();

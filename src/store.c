@@ -861,9 +861,9 @@ store_locked_only_by_me(Relation heap, ItemPointer tid)
  * with, say, an administrator's DELETE that is waiting for this sweep).  A
  * row locked only by our own transaction (a caller that locked its keys FOR
  * UPDATE before sweeping) is deleted anyway, which does not wait.  Only
- * used when the table has no triggers (a foreign key referencing the
- * table, or a user's audit trigger, needs the executor).  Returns how many
- * rows it deleted.
+ * used when the table has no triggers and no rules (a foreign key
+ * referencing the table, a user's audit trigger or a DELETE rule needs the
+ * executor).  Returns how many rows it deleted.
  */
 static int
 store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n)
@@ -915,7 +915,7 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 		Relation	heap = table_open(rels.keys, RowExclusiveLock);
 		int			deleted = -1;
 
-		if (heap->trigdesc == NULL)
+		if (heap->trigdesc == NULL && heap->rd_rules == NULL)
 			deleted = store_sweep_delete_direct(heap, tids, n);
 		table_close(heap, NoLock);
 		if (deleted >= 0)
