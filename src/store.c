@@ -655,12 +655,13 @@ idem_store_end(void)
 
 /*
  * Execute one of the store's prepared statements (each addresses rows by
- * ctid or through an index).  Its generic plan is built at the first
- * execution (and again after an invalidation); if the table looks empty to
- * the planner then (freshly vacuumed), a Seq Scan costs nothing and would
- * be kept for every later call on a growing table.  So seq scans are disabled while the statement runs (and may be
- * planned): the variable is flipped directly, which is what SET does
- * without its bookkeeping, and restored even on error.
+ * ctid).  Its generic plan is built at the first execution (and again
+ * after an invalidation); if the table looks empty to the planner then
+ * (freshly vacuumed), a Seq Scan costs nothing and would be kept for every
+ * later call on a growing table.  So seq scans are disabled while the
+ * statement runs (and may be planned): the variable is flipped directly,
+ * which is what SET does without its bookkeeping, and restored even on
+ * error.
  */
 static int
 store_execute(SPIPlanPtr plan, Datum *values, const char *nulls)
@@ -825,8 +826,8 @@ idem_store_delete(const IdemRow *row)
 }
 
 /*
- * Is the tuple at "tid" row-locked (no update) by our own transaction
- * alone?  Then deleting it does not wait.
+ * Is the tuple at "tid" row-locked (no update) by our own transaction and
+ * nobody else still running?  Then deleting it does not wait.
  */
 static bool
 store_locked_only_by_me(Relation heap, ItemPointer tid)
@@ -843,12 +844,10 @@ store_locked_only_by_me(Relation heap, ItemPointer tid)
 	{
 		HeapTupleHeader tup = (HeapTupleHeader)
 			PageGetItem(page, PageGetItemId(page, off));
-		uint16		infomask = tup->t_infomask;
 
-		mine = !(infomask & HEAP_XMAX_INVALID) &&
-			!(infomask & HEAP_XMAX_IS_MULTI) &&
-			HEAP_XMAX_IS_LOCKED_ONLY(infomask) &&
-			TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetRawXmax(tup));
+		mine = !(tup->t_infomask & HEAP_XMAX_INVALID) &&
+			HEAP_XMAX_IS_LOCKED_ONLY(tup->t_infomask) &&
+			!store_locked_by_other(tup);
 	}
 	UnlockReleaseBuffer(buf);
 	return mine;
