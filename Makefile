@@ -15,6 +15,8 @@ ISOLATION_OPTS = --load-extension=idempotency
 TAP_TESTS    = 1
 
 PG_CPPFLAGS = -I$(srcdir)/src
+# fingerprint.c calls OpenSSL's SHA-256 directly when PostgreSQL uses OpenSSL
+SHLIB_LINK  = $(filter -lcrypto, $(LIBS))
 PG_CFLAGS   = -Wall -Wextra -Werror -Wno-unused-parameter \
               -Wno-missing-field-initializers -Wno-sign-compare
 

@@ -18,10 +18,52 @@
 #include "lib/stringinfo.h"
 #include "utils/jsonb.h"
 
+#ifdef USE_OPENSSL
+#include <openssl/sha.h>
+#endif
+
 #include "idempotency.h"
 
 /* Seed of the lock hash; any constant works, it only has to stay put. */
 #define IDEM_HASH_SEED	UINT64CONST(0x1de4707e5c0ffee5)
+
+/*
+ * SHA-256 of a buffer.  With OpenSSL (as PostgreSQL is built wherever it
+ * matters) its plain SHA256_* functions hash on a stack context:
+ * pg_cryptohash_create allocates a context, registers it with the resource
+ * owner and has OpenSSL look the digest up by name on every call, which cost
+ * more than the hashing itself (5% of a replay's CPU, bench/profile 8).
+ * Elsewhere PostgreSQL's own implementation is used as is.
+ */
+#if defined(USE_OPENSSL) && !defined(OPENSSL_NO_DEPRECATED_3_0)
+static void
+sha256(const char *data, size_t len, uint8 *out)
+{
+	SHA256_CTX	ctx;
+
+	if (SHA256_Init(&ctx) != 1 ||
+		SHA256_Update(&ctx, data, len) != 1 ||
+		SHA256_Final(out, &ctx) != 1)
+		elog(ERROR, "could not compute SHA-256 request fingerprint");
+}
+#else
+static void
+sha256(const char *data, size_t len, uint8 *out)
+{
+	pg_cryptohash_ctx *ctx = pg_cryptohash_create(PG_SHA256);
+
+	if (ctx == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OUT_OF_MEMORY),
+				 errmsg("out of memory")));
+	if (pg_cryptohash_init(ctx) < 0 ||
+		pg_cryptohash_update(ctx, (const uint8 *) data, len) < 0 ||
+		pg_cryptohash_final(ctx, out, IDEM_FINGERPRINT_LEN) < 0)
+		elog(ERROR, "could not compute SHA-256 request fingerprint: %s",
+			 pg_cryptohash_error(ctx));
+	pg_cryptohash_free(ctx);
+}
+#endif
 
 /*
  * SHA-256 over the text form of a jsonb value.  Two requests match only
@@ -33,22 +75,10 @@ idem_fingerprint(Datum jsonb, uint8 *out)
 {
 	Jsonb	   *jb = DatumGetJsonbP(jsonb);
 	StringInfoData buf;
-	pg_cryptohash_ctx *ctx;
 
 	initStringInfo(&buf);
 	JsonbToCString(&buf, &jb->root, VARSIZE(jb));
-
-	ctx = pg_cryptohash_create(PG_SHA256);
-	if (ctx == NULL)
-		ereport(ERROR,
-				(errcode(ERRCODE_OUT_OF_MEMORY),
-				 errmsg("out of memory")));
-	if (pg_cryptohash_init(ctx) < 0 ||
-		pg_cryptohash_update(ctx, (uint8 *) buf.data, buf.len) < 0 ||
-		pg_cryptohash_final(ctx, out, IDEM_FINGERPRINT_LEN) < 0)
-		elog(ERROR, "could not compute SHA-256 request fingerprint: %s",
-			 pg_cryptohash_error(ctx));
-	pg_cryptohash_free(ctx);
+	sha256(buf.data, buf.len, out);
 	pfree(buf.data);
 	if ((Pointer) jb != DatumGetPointer(jsonb))
 		pfree(jb);
