@@ -1,0 +1,116 @@
+--
+-- writes.sql: the claim's insert and the updates of claim, finish and
+-- extend write the same rows whether they go straight to the table AM (the
+-- table as the extension made it) or through the prepared SQL statements
+-- (a user attached a trigger, a rule or row security, which must still
+-- fire); a user's CHECK constraint and extra index are honoured on the
+-- direct path too; a column default a user added never leaks into a claim.
+--
+\set VERBOSITY sqlstate
+
+-- One scripted life of three keys in "p_scope": a fresh claim with a
+-- request, a claim without one, a takeover after the lease ended, an
+-- extend, finishes with and without a body, then the stored rows with
+-- every timestamp as whole minutes from now (the transaction's start).
+CREATE FUNCTION pg_temp.minutes(t timestamptz) RETURNS numeric
+LANGUAGE sql AS $$ SELECT round(extract(epoch FROM t - now()) / 60) $$;
+CREATE FUNCTION pg_temp.script(p_scope text)
+RETURNS TABLE (key text, status text, token_rank bigint, attempt int,
+               has_fingerprint boolean, response_code int, response_body jsonb,
+               finished boolean, lease_min numeric, expires_min numeric,
+               sweep_min numeric)
+LANGUAGE plpgsql AS $$
+DECLARE
+	t_a bigint; t_b bigint; t_c bigint; t_c2 bigint;
+BEGIN
+	SELECT c.token INTO t_a FROM idempotency.idem_claim('a', '{"n": 1}', p_scope) c;
+	SELECT c.token INTO t_b FROM idempotency.idem_claim('b', NULL, p_scope, lease => '1 hour') c;
+	SELECT c.token INTO t_c FROM idempotency.idem_claim('c', '{"n": 3}', p_scope, lease => '1 millisecond') c;
+	PERFORM pg_sleep(0.01);
+	SELECT c.token INTO t_c2 FROM idempotency.idem_claim('c', '{"n": 3}', p_scope, lease => '10 minutes') c;
+	PERFORM idempotency.idem_extend('b', t_b, '2 hours', p_scope);
+	PERFORM idempotency.idem_finish('a', t_a, 201, '{"id": 1}', p_scope);
+	PERFORM idempotency.idem_finish('c', t_c2, 500, NULL, p_scope, 'failed', '1 hour');
+	RETURN QUERY
+	SELECT k.key, k.status, rank() OVER (ORDER BY k.token), k.attempt,
+	       k.fingerprint IS NOT NULL, k.response_code, k.response_body,
+	       k.finished_at IS NOT NULL, pg_temp.minutes(k.lease_until),
+	       pg_temp.minutes(k.expires_at), pg_temp.minutes(k.sweep_at)
+	  FROM idempotency.keys k WHERE k.scope = p_scope ORDER BY k.key;
+END $$;
+
+-- the table as the extension made it: direct writes
+SELECT * FROM pg_temp.script('w-direct');
+
+-- with a row trigger: statements, and the trigger sees every write
+CREATE TABLE write_log (op text, key text, status text, attempt int);
+CREATE FUNCTION write_log_row() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO write_log VALUES (TG_OP, NEW.key, NEW.status, NEW.attempt); RETURN NEW; END $$;
+BEGIN;
+CREATE TRIGGER keys_write_log AFTER INSERT OR UPDATE ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION write_log_row();
+SELECT * FROM pg_temp.script('w-trigger');
+SELECT op, key, status, attempt, count(*) FROM write_log GROUP BY 1, 2, 3, 4 ORDER BY 2, 1, 4, 3;
+ROLLBACK;
+
+-- with a rule: statements, and the rule fires
+BEGIN;
+CREATE RULE keys_write_log AS ON UPDATE TO idempotency.keys
+	DO ALSO INSERT INTO write_log VALUES ('rule', NEW.key, NEW.status, NEW.attempt);
+SELECT * FROM pg_temp.script('w-rule');
+SELECT op, key, status, attempt FROM write_log ORDER BY 2, 4, 3;
+ROLLBACK;
+
+-- with row security enabled (the owner is exempt): statements
+BEGIN;
+ALTER TABLE idempotency.keys ENABLE ROW LEVEL SECURITY;
+SELECT * FROM pg_temp.script('w-rls');
+ROLLBACK;
+
+-- a user's CHECK constraint holds on the direct path: 23514, nothing stored
+BEGIN;
+ALTER TABLE idempotency.keys ADD CONSTRAINT keys_short_key CHECK (length(key) < 5);
+SELECT outcome FROM idempotency.idem_claim('long-key', scope => 'w-check');
+ROLLBACK;
+BEGIN;
+ALTER TABLE idempotency.keys ADD CONSTRAINT keys_code CHECK (response_code < 600);
+SELECT outcome, token AS t FROM idempotency.idem_claim('k', scope => 'w-check') \gset
+SELECT idempotency.idem_finish('k', :t, 700, NULL, 'w-check');
+ROLLBACK;
+SELECT count(*) AS stored FROM idempotency.keys WHERE scope = 'w-check';
+
+-- a user's index gets every row the direct path writes, the new version of
+-- a non-HOT update too
+BEGIN;
+CREATE INDEX keys_user_attempt_idx ON idempotency.keys (scope, attempt);
+SELECT key, status, attempt FROM pg_temp.script('w-index') ORDER BY key;
+SET LOCAL enable_seqscan = off;
+SET LOCAL enable_bitmapscan = off;
+EXPLAIN (COSTS OFF) SELECT key FROM idempotency.keys WHERE scope = 'w-index' AND attempt = 2;
+SELECT key, attempt FROM idempotency.keys WHERE scope = 'w-index' AND attempt = 2;
+SELECT count(*) AS attempt_1 FROM idempotency.keys WHERE scope = 'w-index' AND attempt = 1;
+ROLLBACK;
+
+-- a default a user put on a column does not leak into a claim, on either path
+BEGIN;
+ALTER TABLE idempotency.keys ALTER COLUMN response_code SET DEFAULT 299;
+SELECT outcome FROM idempotency.idem_claim('d1', scope => 'w-default');
+CREATE TRIGGER keys_write_log AFTER INSERT OR UPDATE ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION write_log_row();
+SELECT outcome FROM idempotency.idem_claim('d2', scope => 'w-default');
+SELECT key, response_code FROM idempotency.keys WHERE scope = 'w-default' ORDER BY key;
+ROLLBACK;
+
+-- in one transaction a key claimed by a direct insert is seen by the next
+-- call of the same statement (in_progress, held by us), and by the finish
+BEGIN;
+SELECT g, c.outcome, c.retry_after FROM generate_series(1, 2) g,
+       LATERAL idempotency.idem_claim(CASE WHEN g > 0 THEN 'same' END,
+                                      scope => 'w-xact') c ORDER BY g;
+SELECT idempotency.idem_finish('same', token, 200, NULL, 'w-xact') IS NOT NULL AS finished
+  FROM idempotency.keys WHERE scope = 'w-xact';
+SELECT outcome, status, response_code FROM idempotency.idem_claim('same', scope => 'w-xact');
+ROLLBACK;
+
+DROP TABLE write_log;
+DROP FUNCTION write_log_row();
