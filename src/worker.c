@@ -225,7 +225,14 @@ idem_sweeper_main(Datum arg)
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, die);
 	BackgroundWorkerUnblockSignals();
-	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid, 0);
+	/*
+	 * The launcher only starts sweepers for databases that allow
+	 * connections; one that stopped allowing them since the launcher looked
+	 * is swept this once rather than logging a FATAL (the next round skips
+	 * it).
+	 */
+	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid,
+											  BGWORKER_BYPASS_ALLOWCONN);
 
 	/*
 	 * A sweep lost in a crash is simply done again by the next one (a key
