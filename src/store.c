@@ -966,6 +966,28 @@ store_apply(StorePlan which, const ItemPointerData *tid,
 				tid == NULL ? SPI_OK_INSERT : SPI_OK_UPDATE);
 }
 
+/* The columns of a new pending attempt, whether inserted or taking a row over. */
+static void
+change_pending(StoreChange *change, int64 token, int32 attempt,
+			   const uint8 *fingerprint, TimestampTz created_at,
+			   TimestampTz lease_until, TimestampTz expires_at,
+			   Interval *retention)
+{
+	memset(change, 0, sizeof(StoreChange));
+	change_set(change, COL_STATUS, CStringGetTextDatum("pending"));
+	change_set(change, COL_TOKEN, Int64GetDatum(token));
+	change_set(change, COL_ATTEMPT, Int32GetDatum(attempt));
+	change_fingerprint(change, fingerprint);
+	change_null(change, COL_RESPONSE_CODE);
+	change_null(change, COL_RESPONSE_BODY);
+	change_set(change, COL_CREATED_AT, TimestampTzGetDatum(created_at));
+	change_null(change, COL_FINISHED_AT);
+	change_set(change, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
+	change_set(change, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
+	change_set(change, COL_RETENTION, IntervalPGetDatum(retention));
+	change_set(change, COL_SWEEP_AT, TimestampTzGetDatum(lease_until));
+}
+
 /* Insert a new pending key (first attempt). */
 void
 idem_store_insert_claim(text *scope, text *key, int64 token,
@@ -975,21 +997,10 @@ idem_store_insert_claim(text *scope, text *key, int64 token,
 {
 	StoreChange change;
 
-	memset(&change, 0, sizeof(change));
+	change_pending(&change, token, 1, fingerprint, now, lease_until,
+				   expires_at, retention);
 	change_set(&change, COL_SCOPE, PointerGetDatum(scope));
 	change_set(&change, COL_KEY, PointerGetDatum(key));
-	change_set(&change, COL_STATUS, CStringGetTextDatum("pending"));
-	change_set(&change, COL_TOKEN, Int64GetDatum(token));
-	change_set(&change, COL_ATTEMPT, Int32GetDatum(1));
-	change_fingerprint(&change, fingerprint);
-	change_null(&change, COL_RESPONSE_CODE);
-	change_null(&change, COL_RESPONSE_BODY);
-	change_set(&change, COL_CREATED_AT, TimestampTzGetDatum(now));
-	change_null(&change, COL_FINISHED_AT);
-	change_set(&change, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
-	change_set(&change, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
-	change_set(&change, COL_RETENTION, IntervalPGetDatum(retention));
-	change_set(&change, COL_SWEEP_AT, TimestampTzGetDatum(lease_until));
 	store_apply(PLAN_INSERT_CLAIM, NULL, &change);
 }
 
@@ -1005,19 +1016,8 @@ idem_store_update_claim(const IdemRow *row, int64 token, int32 attempt,
 {
 	StoreChange change;
 
-	memset(&change, 0, sizeof(change));
-	change_set(&change, COL_STATUS, CStringGetTextDatum("pending"));
-	change_set(&change, COL_TOKEN, Int64GetDatum(token));
-	change_set(&change, COL_ATTEMPT, Int32GetDatum(attempt));
-	change_fingerprint(&change, fingerprint);
-	change_null(&change, COL_RESPONSE_CODE);
-	change_null(&change, COL_RESPONSE_BODY);
-	change_set(&change, COL_CREATED_AT, TimestampTzGetDatum(created_at));
-	change_null(&change, COL_FINISHED_AT);
-	change_set(&change, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
-	change_set(&change, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
-	change_set(&change, COL_RETENTION, IntervalPGetDatum(retention));
-	change_set(&change, COL_SWEEP_AT, TimestampTzGetDatum(lease_until));
+	change_pending(&change, token, attempt, fingerprint, created_at,
+				   lease_until, expires_at, retention);
 	store_apply(PLAN_UPDATE_CLAIM, &row->tid, &change);
 }
 
