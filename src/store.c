@@ -877,8 +877,10 @@ static void
 store_direct_update(StoreDirect *direct, const ItemPointerData *tid,
 					const StoreChange *change)
 {
-	TupleTableSlot *old = table_slot_create(direct->heap,
-											&direct->estate->es_tupleTable);
+	MemoryContext caller = MemoryContextSwitchTo(direct->estate->es_query_cxt);
+	TupleTableSlot *old = ExecInitExtraTupleSlot(direct->estate,
+												 RelationGetDescr(direct->heap),
+												 table_slot_callbacks(direct->heap));
 	TupleTableSlot *slot = direct->slot;
 	ItemPointerData otid = *tid;
 	TM_FailureData tmfd;
@@ -892,8 +894,9 @@ store_direct_update(StoreDirect *direct, const ItemPointerData *tid,
 
 	if (!table_tuple_fetch_row_version(direct->heap, &otid, SnapshotAny, old))
 		store_vanished();
-	ExecMaterializeSlot(old);
+	ExecMaterializeSlot(old);	/* its copy lives until store_direct_end */
 	slot_getallattrs(old);
+	MemoryContextSwitchTo(caller);
 
 	ExecClearTuple(slot);
 	for (int i = 0; i < NUM_COLS; i++)
