@@ -112,5 +112,35 @@ SELECT idempotency.idem_finish('same', token, 200, NULL, 'w-xact') IS NOT NULL A
 SELECT outcome, status, response_code FROM idempotency.idem_claim('same', scope => 'w-xact');
 ROLLBACK;
 
+-- a row written earlier in the same statement: idem_sweep resets a stale
+-- claim and the claim that follows it in the same SELECT takes it over.
+-- The claim commits with a 300 ms lease, then the row is locked FOR UPDATE
+-- before the lease ends, so the worker cannot reset it instead (our own
+-- sweep still does).
+SELECT outcome, attempt FROM idempotency.idem_claim('stale', scope => 'w-cci',
+       lease => '300 milliseconds');
+BEGIN;
+SELECT key, lease_until > clock_timestamp() AS lease_live
+  FROM idempotency.keys WHERE scope = 'w-cci' FOR UPDATE;
+SELECT pg_sleep(0.4);
+SELECT s.reset AS swept_reset, c.outcome, c.attempt
+  FROM idempotency.idem_sweep() s,
+       LATERAL idempotency.idem_claim(CASE WHEN s.reset >= 0 THEN 'stale' END,
+                                      scope => 'w-cci') c;
+SELECT status, attempt, token IS NOT NULL AS has_token FROM idempotency.keys WHERE scope = 'w-cci';
+ROLLBACK;
+DELETE FROM idempotency.keys WHERE scope = 'w-cci';
+
+-- in a publication that publishes updates, the table needs its replica
+-- identity for a finish (55000), as for any UPDATE; a claim's insert does not
+BEGIN;
+ALTER TABLE idempotency.keys REPLICA IDENTITY NOTHING;
+SET LOCAL client_min_messages = error;
+CREATE PUBLICATION idem_writes_pub FOR TABLE idempotency.keys;
+SELECT outcome, token AS t FROM idempotency.idem_claim('pub', scope => 'w-pub') \gset
+SELECT :'outcome' AS outcome;
+SELECT idempotency.idem_finish('pub', :t, 200, NULL, 'w-pub');
+ROLLBACK;
+
 DROP TABLE write_log;
 DROP FUNCTION write_log_row();

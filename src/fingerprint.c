@@ -7,7 +7,7 @@
  * request (the UTF-8 bytes of the jsonb text form, which already orders
  * object keys and drops insignificant whitespace) and the 64-bit hash of
  * (scope, key) that names the key's advisory lock.  Must not touch the
- * table, take locks or keep state.
+ * table or take locks; its only state is OpenSSL's SHA-256 context.
  *
  *-------------------------------------------------------------------------
  */
@@ -19,7 +19,7 @@
 #include "utils/jsonb.h"
 
 #ifdef USE_OPENSSL
-#include <openssl/sha.h>
+#include <openssl/evp.h>
 #endif
 
 #include "idempotency.h"
@@ -29,21 +29,45 @@
 
 /*
  * SHA-256 of a buffer.  With OpenSSL (as PostgreSQL is built wherever it
- * matters) its plain SHA256_* functions hash on a stack context:
- * pg_cryptohash_create allocates a context, registers it with the resource
- * owner and has OpenSSL look the digest up by name on every call, which cost
- * more than the hashing itself (5% of a replay's CPU, bench/profile 8).
- * Elsewhere PostgreSQL's own implementation is used as is.
+ * matters) the digest is fetched once per backend and one EVP context is
+ * reused: pg_cryptohash_create allocates a context, registers it with the
+ * resource owner and has OpenSSL look the digest up by name on every call,
+ * which cost more than the hashing itself (5% of a replay's CPU,
+ * bench/profile 8).  EVP keeps the hashing inside OpenSSL's providers, so a
+ * FIPS configuration still applies.  Elsewhere PostgreSQL's own
+ * implementation is used as is.
  */
-#if defined(USE_OPENSSL) && !defined(OPENSSL_NO_DEPRECATED_3_0)
+#ifdef USE_OPENSSL
+static EVP_MD_CTX *sha256_ctx = NULL;
+static const EVP_MD *sha256_md = NULL;
+
 static void
 sha256(const char *data, size_t len, uint8 *out)
 {
-	SHA256_CTX	ctx;
+	unsigned int outlen = 0;
 
-	if (SHA256_Init(&ctx) != 1 ||
-		SHA256_Update(&ctx, data, len) != 1 ||
-		SHA256_Final(out, &ctx) != 1)
+	if (sha256_md == NULL)
+	{
+#if OPENSSL_VERSION_NUMBER >= 0x30000000L
+		sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+#else
+		sha256_md = EVP_sha256();
+#endif
+		if (sha256_md == NULL)
+			elog(ERROR, "could not load SHA-256 from OpenSSL");
+	}
+	if (sha256_ctx == NULL)
+	{
+		sha256_ctx = EVP_MD_CTX_create();
+		if (sha256_ctx == NULL)
+			ereport(ERROR,
+					(errcode(ERRCODE_OUT_OF_MEMORY),
+					 errmsg("out of memory")));
+	}
+	if (EVP_DigestInit_ex(sha256_ctx, sha256_md, NULL) != 1 ||
+		EVP_DigestUpdate(sha256_ctx, data, len) != 1 ||
+		EVP_DigestFinal_ex(sha256_ctx, out, &outlen) != 1 ||
+		outlen != IDEM_FINGERPRINT_LEN)
 		elog(ERROR, "could not compute SHA-256 request fingerprint");
 }
 #else

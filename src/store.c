@@ -819,6 +819,11 @@ store_direct_begin(StoreDirect *direct)
 		table_close(heap, NoLock);
 		return false;
 	}
+	/*
+	 * Like SPI before each statement: rows written earlier in this command
+	 * (say, by idem_sweep in the same SELECT) become visible to the update.
+	 */
+	CommandCounterIncrement();
 	direct->heap = heap;
 	direct->estate = CreateExecutorState();
 	old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
@@ -892,6 +897,8 @@ store_direct_update(StoreDirect *direct, const ItemPointerData *tid,
 	bool		update_indexes;
 #endif
 
+	/* A publication that publishes updates needs the replica identity. */
+	CheckCmdReplicaIdentity(direct->heap, CMD_UPDATE);
 	if (!table_tuple_fetch_row_version(direct->heap, &otid, SnapshotAny, old))
 		store_vanished();
 	ExecMaterializeSlot(old);	/* its copy lives until store_direct_end */
@@ -1117,6 +1124,7 @@ store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n)
 	CommandId	cid = GetCurrentCommandId(true);
 	int			deleted = 0;
 
+	CheckCmdReplicaIdentity(heap, CMD_DELETE);
 	for (int i = 0; i < n; i++)
 	{
 		TM_FailureData tmfd;

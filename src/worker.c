@@ -207,6 +207,9 @@ sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 	return installed;
 }
 
+/* Shared with the launcher, defined with it below. */
+static bool launcher_database_ok(Oid dbid);
+
 /*
  * Main of a sweeper: sweep the database given as argument, batch after
  * batch, for at most one time slice, then report and exit.  An error is
@@ -227,12 +230,16 @@ idem_sweeper_main(Datum arg)
 	BackgroundWorkerUnblockSignals();
 	/*
 	 * The launcher only starts sweepers for databases that allow
-	 * connections; one that stopped allowing them since the launcher looked
-	 * is swept this once rather than logging a FATAL (the next round skips
-	 * it).
+	 * connections.  One that stopped allowing them (or became a template)
+	 * since the launcher looked would make the connection FATAL: connect
+	 * anyway, see that, and leave at once without sweeping or reporting
+	 * (the launcher then finds the database not visitable, which is no
+	 * failure).  CREATE or DROP DATABASE waits out such a brief visitor.
 	 */
 	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid,
 											  BGWORKER_BYPASS_ALLOWCONN);
+	if (!launcher_database_ok(dbid))
+		proc_exit(0);
 
 	/*
 	 * A sweep lost in a crash is simply done again by the next one (a key
