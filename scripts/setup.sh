@@ -23,6 +23,7 @@
 SETUP_PACKAGES=(
 	postgresql-15 postgresql-server-dev-15 postgresql-15-pgtap
 	libtap-parser-sourcehandler-pgtap-perl libipc-run-perl build-essential perl
+	libssl-dev
 )
 
 # Stop with a clear message unless we run as root (apt, make install, runuser).

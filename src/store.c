@@ -190,7 +190,6 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 static SPIPlanPtr plans[NUM_PLANS];
 
 /* State of an open store section (idem_store_begin .. idem_store_end). */
-static MemoryContext caller_cxt = NULL;
 static Oid	saved_userid;
 static int	saved_sec_context;
 
@@ -646,7 +645,6 @@ void
 idem_store_begin(void)
 {
 	store_lookup_rels();
-	caller_cxt = CurrentMemoryContext;
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
 	GetUserIdAndSecContext(&saved_userid, &saved_sec_context);
@@ -662,7 +660,6 @@ idem_store_end(void)
 	SetUserIdAndSecContext(saved_userid, saved_sec_context);
 	if (SPI_finish() != SPI_OK_FINISH)
 		elog(ERROR, "SPI_finish failed");
-	caller_cxt = NULL;
 }
 
 /*
@@ -804,17 +801,30 @@ typedef struct StoreDirect
 	TupleTableSlot *slot;
 } StoreDirect;
 
+/*
+ * May the store write this table directly?  Not when a user attached
+ * something only the executor applies: triggers (a foreign key that
+ * references the table is one), rules, row security, stored generated
+ * columns.  The sweep's deletes follow the same rule.
+ */
+static bool
+store_direct_ok(Relation heap)
+{
+	TupleConstr *constr = RelationGetDescr(heap)->constr;
+
+	return heap->trigdesc == NULL && heap->rd_rules == NULL &&
+		!heap->rd_rel->relrowsecurity &&
+		(constr == NULL || !constr->has_generated_stored);
+}
+
 static bool
 store_direct_begin(StoreDirect *direct)
 {
 #if PG_VERSION_NUM >= 140000
 	Relation	heap = table_open(rels.keys, RowExclusiveLock);
-	TupleConstr *constr = RelationGetDescr(heap)->constr;
 	MemoryContext old;
 
-	if (heap->trigdesc != NULL || heap->rd_rules != NULL ||
-		heap->rd_rel->relrowsecurity ||
-		(constr != NULL && constr->has_generated_stored))
+	if (!store_direct_ok(heap))
 	{
 		table_close(heap, NoLock);
 		return false;
@@ -1114,9 +1124,7 @@ store_locked_only_by_me(Relation heap, ItemPointer tid)
  * with, say, an administrator's DELETE that is waiting for this sweep).  A
  * row locked only by our own transaction (a caller that locked its keys FOR
  * UPDATE before sweeping) is deleted anyway, which does not wait.  Only
- * used when the table has no triggers and no rules (a foreign key
- * referencing the table, a user's audit trigger or a DELETE rule needs the
- * executor).  Returns how many rows it deleted.
+ * used when store_direct_ok allows.  Returns how many rows it deleted.
  */
 static int
 store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n)
@@ -1169,7 +1177,7 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 		Relation	heap = table_open(rels.keys, RowExclusiveLock);
 		int			deleted = -1;
 
-		if (heap->trigdesc == NULL && heap->rd_rules == NULL)
+		if (store_direct_ok(heap))
 			deleted = store_sweep_delete_direct(heap, tids, n);
 		table_close(heap, NoLock);
 		if (deleted >= 0)
