@@ -428,7 +428,11 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	TimestampTz now = GetCurrentTimestamp();
 	IdemRow		row;
 	ClaimAction action;
+	uint64		writes_before = 0;
+	uint64		writes_now;
+	bool		counted;
 
+	counted = idem_wait_write_count(args->hash, &writes_before);
 	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	if (claim_decide(args, &row, now, res) == ACTION_ANSWER)
 		return;
@@ -443,8 +447,17 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 		return;
 	}
 
-	/* Under the lock nobody else can start changing the key: look again. */
-	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
+	/*
+	 * Under the lock nobody else can start changing the key: look again,
+	 * unless the key was absent and nobody has written it since we looked
+	 * (every write moves the key's write counter before releasing the lock
+	 * we now hold; a fresh key is the common case, and this saves its
+	 * second index descent).
+	 */
+	if (row.found || row.busy || !counted ||
+		!idem_wait_write_count(args->hash, &writes_now) ||
+		writes_now != writes_before)
+		idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	action = claim_decide(args, &row, now, res);
 	if (action != ACTION_ANSWER)
 	{

@@ -10,7 +10,8 @@
  *	  store.c        the key store: relation lookup, index probe, the
  *	                 per-key advisory lock and the prepared SPI writes
  *	  wait.c         waiting for an in-flight attempt: shared-memory
- *	                 waiter slots and the wake-up at commit or abort
+ *	                 waiter slots and the wake-up at commit or abort;
+ *	                 the per-hash write counters
  *	  stats.c        shared-memory counters behind the idempotency.stats view
  *	  worker.c       the background sweeper (launcher + per-database worker)
  *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
@@ -157,6 +158,7 @@ extern bool idem_wait_preloaded(void);
 extern void idem_wait_register(uint64 hash);
 extern void idem_wait_unregister(void);
 extern void idem_wait_touched(uint64 hash);
+extern bool idem_wait_write_count(uint64 hash, uint64 *count);
 
 /* ---- stats.c ---- */
 typedef enum IdemCounter
