@@ -27,6 +27,9 @@ CREATE TABLE bench.floor_keys (
 -- rows 3-5, the seed SQL patterns
 CREATE TABLE bench.seed_keys (LIKE bench.floor_keys INCLUDING ALL);
 
+-- the bound of row 1 vs row 6: two minimal durable commits (r7c_two_commits.sql)
+CREATE TABLE bench.commit_probe (k bigint);
+
 -- the business write of rows 2 and 3
 CREATE TABLE bench.orders (
 	id		bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

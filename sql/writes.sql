@@ -142,5 +142,35 @@ SELECT :'outcome' AS outcome;
 SELECT idempotency.idem_finish('pub', :t, 200, NULL, 'w-pub');
 ROLLBACK;
 
+-- A trigger on the table that calls the functions again opens a store
+-- section inside another one (the claim's insert fires it while the claim
+-- acts as the table's owner).  Each section restores what its own caller
+-- had: after the claims, the caller is itself again, not the table owner,
+-- and may do what a restricted-security section may not (SET ROLE).
+BEGIN;
+CREATE ROLE regress_idem_nested;
+GRANT USAGE ON SCHEMA idempotency TO regress_idem_nested;
+CREATE FUNCTION pg_temp.claim_audit_key() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF NEW.scope = 'w-nested' THEN
+		PERFORM idempotency.idem_claim('audit-' || NEW.key, NULL, 'w-nested-audit');
+	END IF;
+	RETURN NEW;
+END $$;
+CREATE TRIGGER keys_claim_audit AFTER INSERT ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION pg_temp.claim_audit_key();
+SET LOCAL ROLE regress_idem_nested;
+SELECT outcome, attempt FROM idempotency.idem_claim('n1', NULL, 'w-nested');
+SELECT current_user AS after_claim;
+SELECT outcome, token AS t FROM idempotency.idem_claim('n2', NULL, 'w-nested') \gset
+SELECT idempotency.idem_finish('n2', :t, 200, NULL, 'w-nested') IS NOT NULL AS finished;
+SELECT current_user AS after_finish;
+RESET ROLE;
+SET LOCAL ROLE regress_idem_nested;
+RESET ROLE;
+SELECT scope, key, status, attempt FROM idempotency.keys
+ WHERE scope LIKE 'w-nested%' ORDER BY scope, key;
+ROLLBACK;
+
 DROP TABLE write_log;
 DROP FUNCTION write_log_row();

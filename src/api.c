@@ -463,6 +463,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	{
 		TimestampTz lease_until;
 		TimestampTz expires_at;
+		IdemStoreSection section;
 		Interval   *lease;
 		Interval   *retention;
 		int64		token;
@@ -476,7 +477,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 		expires_at = Max(add_interval(now, retention), lease_until);
 		token = idem_store_next_token();
 
-		idem_store_begin();
+		idem_store_begin(&section);
 		if (!row.found)
 			idem_store_insert_claim(args->scope, args->key, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
@@ -487,7 +488,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 									args->has_fingerprint ? args->fingerprint : NULL,
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention);
-		idem_store_end();
+		idem_store_end(&section);
 		idem_wait_touched(args->hash);
 
 		res->outcome = OUTCOME_CLAIMED;
@@ -745,6 +746,7 @@ idem_finish(PG_FUNCTION_ARGS)
 	TimestampTz expires_at;
 	uint64		hash;
 	IdemRow		row;
+	IdemStoreSection section;
 
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
@@ -764,11 +766,11 @@ idem_finish(PG_FUNCTION_ARGS)
 	}
 
 	expires_at = add_interval(now, retention ? retention : &row.retention);
-	idem_store_begin();
+	idem_store_begin(&section);
 	idem_store_finish(&row, status, !PG_ARGISNULL(2),
 					  PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2), body, now,
 					  expires_at);
-	idem_store_end();
+	idem_store_end(&section);
 	idem_wait_touched(hash);
 	idem_store_unlock(hash);
 	idem_stats_count(IDEM_STAT_FINISHES, 1);
@@ -789,6 +791,7 @@ idem_extend(PG_FUNCTION_ARGS)
 	TimestampTz expires_at;
 	uint64		hash;
 	IdemRow		row;
+	IdemStoreSection section;
 
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
@@ -804,9 +807,9 @@ idem_extend(PG_FUNCTION_ARGS)
 	lease_until = add_interval(now, lease ? lease :
 							   interval_from_ms(idem_lease_ms));
 	expires_at = Max(add_interval(now, &row.retention), lease_until);
-	idem_store_begin();
+	idem_store_begin(&section);
 	idem_store_extend(&row, lease_until, expires_at);
-	idem_store_end();
+	idem_store_end(&section);
 	idem_wait_touched(hash);
 	idem_store_unlock(hash);
 
@@ -822,6 +825,7 @@ idem_release(PG_FUNCTION_ARGS)
 	int64		token;
 	uint64		hash;
 	IdemRow		row;
+	IdemStoreSection section;
 
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
@@ -831,9 +835,9 @@ idem_release(PG_FUNCTION_ARGS)
 	hash = idem_key_hash(scope, key);
 	(void) token_call_begin(CALL_RELEASE, scope, key, hash, token, &row,
 							GetCurrentTimestamp());
-	idem_store_begin();
+	idem_store_begin(&section);
 	idem_store_delete(&row);
-	idem_store_end();
+	idem_store_end(&section);
 	idem_wait_touched(hash);
 	idem_store_unlock(hash);
 	idem_stats_count(IDEM_STAT_RELEASES, 1);

@@ -56,6 +56,16 @@ extern uint64 idem_key_hash(text *scope, text *key);
 /* ---- store.c ---- */
 
 /*
+ * An open store section (idem_store_begin .. idem_store_end): the identity
+ * to restore at its end, kept by the caller.
+ */
+typedef struct IdemStoreSection
+{
+	Oid			saved_userid;
+	int			saved_sec_context;
+} IdemStoreSection;
+
+/*
  * One key as the store last saw it.  "found" is false when no committed
  * row exists; "busy" is true when another transaction is inserting,
  * updating or deleting the row right now (its outcome is unknown, so
@@ -105,8 +115,8 @@ extern void idem_store_unlock(uint64 hash);
 extern int64 idem_store_next_token(void);
 extern void idem_store_check_snapshot(const IdemRow *row);
 
-extern void idem_store_begin(void);
-extern void idem_store_end(void);
+extern void idem_store_begin(IdemStoreSection *section);
+extern void idem_store_end(IdemStoreSection *section);
 extern void idem_store_insert_claim(text *scope, text *key, int64 token,
 									const uint8 *fingerprint,
 									TimestampTz now, TimestampTz lease_until,

@@ -189,10 +189,6 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 
 static SPIPlanPtr plans[NUM_PLANS];
 
-/* State of an open store section (idem_store_begin .. idem_store_end). */
-static Oid	saved_userid;
-static int	saved_sec_context;
-
 static const char *const status_names[] = {"pending", "succeeded", "failed"};
 
 /* Forget cached relation OIDs when any of our relations changes. */
@@ -638,26 +634,29 @@ store_plan(StorePlan which)
 
 /*
  * Open a store section: connect SPI and act as the table's owner, with
- * restricted security, until idem_store_end.  An ERROR in between is
- * cleaned up by transaction abort (SPI and the user id both).
+ * restricted security, until idem_store_end.  The caller keeps the saved
+ * identity in *section (on its stack), so that a section opened inside
+ * another one (a trigger on the table that calls these functions) restores
+ * what its own caller had.  An ERROR in between is cleaned up by
+ * transaction abort (SPI and the user id both).
  */
 void
-idem_store_begin(void)
+idem_store_begin(IdemStoreSection *section)
 {
 	store_lookup_rels();
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
-	GetUserIdAndSecContext(&saved_userid, &saved_sec_context);
-	SetUserIdAndSecContext(rels.owner, saved_sec_context |
+	GetUserIdAndSecContext(&section->saved_userid, &section->saved_sec_context);
+	SetUserIdAndSecContext(rels.owner, section->saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
 }
 
-/* Close a store section opened by idem_store_begin. */
+/* Close the store section "section" opened by idem_store_begin. */
 void
-idem_store_end(void)
+idem_store_end(IdemStoreSection *section)
 {
-	SetUserIdAndSecContext(saved_userid, saved_sec_context);
+	SetUserIdAndSecContext(section->saved_userid, section->saved_sec_context);
 	if (SPI_finish() != SPI_OK_FINISH)
 		elog(ERROR, "SPI_finish failed");
 }

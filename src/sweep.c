@@ -116,11 +116,12 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 	int			limit = (int) Min((int64) batch * 2, (int64) PG_INT32_MAX);
 	bool		more = false;
 	MemoryContext fetch_cxt;
+	IdemStoreSection section;
 
 	*expired = 0;
 	*reset = 0;
 
-	idem_store_begin();
+	idem_store_begin(&section);
 	fetch_cxt = AllocSetContextCreate(CurrentMemoryContext,
 									  "idempotency sweep fetch",
 									  ALLOCSET_DEFAULT_SIZES);
@@ -148,7 +149,7 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 			break;
 	}
 	MemoryContextDelete(fetch_cxt);
-	idem_store_end();
+	idem_store_end(&section);
 
 	idem_stats_count(IDEM_STAT_EXPIRED, *expired);
 	idem_stats_count(IDEM_STAT_RESET, *reset);
