@@ -145,7 +145,7 @@ w("**Machine**: %s cores (%s), PostgreSQL %s, shared with other work (noisy: tha
   % (extra.get("nproc", "?"), extra.get("cpu", "?"), extra.get("pg_version", "?")))
 w("")
 w("**Run parameters**: `%s`. pgbench `-M prepared`, each op on a fresh random key "
-  "(`random(1, 10^12)` within a per-run scope), each run after a CHECKPOINT and a warm-up of the "
+  "(`random(1, 10^18)` within a per-run scope), each run after a CHECKPOINT and a warm-up of the "
   "same script; compared scripts run back to back, in reverse order every other round (A B, B A, ...), "
   "RUNS rounds per group and PAIR_RUNS rounds for the pairs whose target has a margin of a few percent "
   "(row 1 vs row 7, row 12); "

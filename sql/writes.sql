@@ -143,34 +143,52 @@ SELECT idempotency.idem_finish('pub', :t, 200, NULL, 'w-pub');
 ROLLBACK;
 
 -- A trigger on the table that calls the functions again opens a store
--- section inside another one (the claim's insert fires it while the claim
--- acts as the table's owner).  Each section restores what its own caller
--- had: after the claims, the caller is itself again, not the table owner,
--- and may do what a restricted-security section may not (SET ROLE).
-BEGIN;
+-- section inside another one (the claim's insert, the finish's update and
+-- the sweep's delete fire it while acting as the table's owner).  Each
+-- section restores what its own caller had: after every call the caller is
+-- itself again, not the table owner, and may do what a restricted-security
+-- section may not (RESET ROLE).  A trigger that changes a setting inside
+-- the write (here enable_seqscan, which the write itself turns off while
+-- it runs) leaves the session's value as it was after the commit.
 CREATE ROLE regress_idem_nested;
 GRANT USAGE ON SCHEMA idempotency TO regress_idem_nested;
-CREATE FUNCTION pg_temp.claim_audit_key() RETURNS trigger LANGUAGE plpgsql AS $$
+GRANT EXECUTE ON FUNCTION idempotency.idem_sweep(integer) TO regress_idem_nested;
+CREATE FUNCTION claim_audit_key() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-	IF NEW.scope = 'w-nested' THEN
-		PERFORM idempotency.idem_claim('audit-' || NEW.key, NULL, 'w-nested-audit');
+	PERFORM set_config('enable_seqscan', 'on', true);
+	IF TG_OP = 'DELETE' THEN
+		IF OLD.scope = 'w-nested-sweep' THEN
+			PERFORM idempotency.idem_claim('gone-' || OLD.key, NULL, 'w-nested-audit');
+		END IF;
+		RETURN OLD;
+	ELSIF NEW.scope = 'w-nested' THEN
+		PERFORM idempotency.idem_claim(lower(TG_OP) || '-' || NEW.key || '-' || NEW.status,
+		                               NULL, 'w-nested-audit');
 	END IF;
 	RETURN NEW;
 END $$;
-CREATE TRIGGER keys_claim_audit AFTER INSERT ON idempotency.keys
-	FOR EACH ROW EXECUTE FUNCTION pg_temp.claim_audit_key();
-SET LOCAL ROLE regress_idem_nested;
+CREATE TRIGGER keys_claim_audit AFTER INSERT OR UPDATE OR DELETE ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION claim_audit_key();
+SET ROLE regress_idem_nested;
 SELECT outcome, attempt FROM idempotency.idem_claim('n1', NULL, 'w-nested');
-SELECT current_user AS after_claim;
+SELECT current_user AS after_claim, current_setting('enable_seqscan') AS enable_seqscan;
 SELECT outcome, token AS t FROM idempotency.idem_claim('n2', NULL, 'w-nested') \gset
 SELECT idempotency.idem_finish('n2', :t, 200, NULL, 'w-nested') IS NOT NULL AS finished;
-SELECT current_user AS after_finish;
-RESET ROLE;
-SET LOCAL ROLE regress_idem_nested;
+SELECT current_user AS after_finish, current_setting('enable_seqscan') AS enable_seqscan;
+SELECT outcome FROM idempotency.idem_claim('n3', NULL, 'w-nested-sweep',
+       lease => '1 millisecond', retention => '1 millisecond');
+SELECT pg_sleep(0.01);
+SELECT expired >= 1 AS swept FROM idempotency.idem_sweep();
+SELECT current_user AS after_sweep, current_setting('enable_seqscan') AS enable_seqscan;
 RESET ROLE;
 SELECT scope, key, status, attempt FROM idempotency.keys
  WHERE scope LIKE 'w-nested%' ORDER BY scope, key;
-ROLLBACK;
+DROP TRIGGER keys_claim_audit ON idempotency.keys;
+DROP FUNCTION claim_audit_key();
+DELETE FROM idempotency.keys WHERE scope LIKE 'w-nested%';
+REVOKE ALL ON FUNCTION idempotency.idem_sweep(integer) FROM regress_idem_nested;
+REVOKE ALL ON SCHEMA idempotency FROM regress_idem_nested;
+DROP ROLE regress_idem_nested;
 
 DROP TABLE write_log;
 DROP FUNCTION write_log_row();

@@ -13,7 +13,9 @@
  * answers replay, mismatch and in_progress without writing or locking
  * anything.  Only a claim that must write (a new key, a key past its
  * retention, a takeover) takes the key's advisory lock without waiting,
- * probes again under it, writes, and releases the lock at once.  A row
+ * probes again under it (skipped for a key that was absent when nothing
+ * was inserted since: see claim_once), writes, and releases the lock at
+ * once.  A row
  * that another transaction is changing is never waited on: it answers
  * in_progress.
  *
@@ -420,7 +422,7 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 
 /*
  * One claim attempt: answer from a lock-free probe when possible; else
- * take the key's lock without waiting, probe again and write.
+ * take the key's lock without waiting, probe again (when needed) and write.
  */
 static void
 claim_once(const ClaimArgs *args, ClaimResult *res)
@@ -428,11 +430,11 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	TimestampTz now = GetCurrentTimestamp();
 	IdemRow		row;
 	ClaimAction action;
-	uint64		writes_before = 0;
-	uint64		writes_now;
+	uint64		inserts_before = 0;
+	uint64		inserts_now;
 	bool		counted;
 
-	counted = idem_wait_write_count(args->hash, &writes_before);
+	counted = idem_wait_insert_count(args->hash, &inserts_before);
 	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	if (claim_decide(args, &row, now, res) == ACTION_ANSWER)
 		return;
@@ -449,14 +451,13 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 
 	/*
 	 * Under the lock nobody else can start changing the key: look again,
-	 * unless the key was absent and nobody has written it since we looked
-	 * (every write moves the key's write counter before releasing the lock
-	 * we now hold; a fresh key is the common case, and this saves its
-	 * second index descent).
+	 * unless the key was absent and no key of its slice was inserted since
+	 * we looked (wait.c, idem_wait_insert_count; a fresh key is the common
+	 * case, and this saves its second index descent).
 	 */
 	if (row.found || row.busy || !counted ||
-		!idem_wait_write_count(args->hash, &writes_now) ||
-		writes_now != writes_before)
+		!idem_wait_insert_count(args->hash, &inserts_now) ||
+		inserts_now != inserts_before)
 		idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	action = claim_decide(args, &row, now, res);
 	if (action != ACTION_ANSWER)
@@ -489,6 +490,8 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention);
 		idem_store_end(&section);
+		if (!row.found)
+			idem_wait_count_insert(args->hash);
 		idem_wait_touched(args->hash);
 
 		res->outcome = OUTCOME_CLAIMED;

@@ -11,7 +11,7 @@
  *	                 per-key advisory lock and the prepared SPI writes
  *	  wait.c         waiting for an in-flight attempt: shared-memory
  *	                 waiter slots and the wake-up at commit or abort;
- *	                 the per-hash write counters
+ *	                 the per-hash insert counters
  *	  stats.c        shared-memory counters behind the idempotency.stats view
  *	  worker.c       the background sweeper (launcher + per-database worker)
  *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
@@ -168,7 +168,8 @@ extern bool idem_wait_preloaded(void);
 extern void idem_wait_register(uint64 hash);
 extern void idem_wait_unregister(void);
 extern void idem_wait_touched(uint64 hash);
-extern bool idem_wait_write_count(uint64 hash, uint64 *count);
+extern void idem_wait_count_insert(uint64 hash);
+extern bool idem_wait_insert_count(uint64 hash, uint64 *count);
 
 /* ---- stats.c ---- */
 typedef enum IdemCounter

@@ -15,8 +15,10 @@
  *	    is as the extension made it, else SPI statements prepared once per
  *	    backend, every object and operator schema-qualified.
  * Must not decide outcomes (api.c and sweep.c do), and must never wait on
- * another transaction's row: callers write only after a probe under the
- * key's lock showed that nobody else is changing the row.
+ * another transaction's row: callers write only under the key's lock,
+ * after a probe showed that nobody else is changing the row (under the
+ * lock, or, for a claim's insert, before it when the key's insert counter
+ * proves that nothing was inserted since).
  *
  *-------------------------------------------------------------------------
  */
@@ -43,7 +45,6 @@
 #include "executor/spi.h"
 #include "executor/tuptable.h"
 #include "miscadmin.h"
-#include "optimizer/cost.h"
 #include "storage/bufmgr.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
@@ -52,6 +53,7 @@
 #include "utils/builtins.h"
 #include "utils/datum.h"
 #include "utils/fmgroids.h"
+#include "utils/guc.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
@@ -667,26 +669,21 @@ idem_store_end(IdemStoreSection *section)
  * after an invalidation); if the table looks empty to the planner then
  * (freshly vacuumed), a Seq Scan costs nothing and would be kept for every
  * later call on a growing table.  So seq scans are disabled while the
- * statement runs (and may be planned): the variable is flipped directly,
- * which is what SET does without its bookkeeping, and restored even on
- * error.
+ * statement runs (and may be planned), the way a function's SET clause
+ * does it: in a GUC nesting level of its own, so that a trigger on the
+ * table that changes the setting (SET LOCAL) inside the statement is
+ * unwound with it, and an ERROR unwinds it with the (sub)transaction.
  */
 static int
 store_execute(SPIPlanPtr plan, Datum *values, const char *nulls)
 {
-	bool		save_enable_seqscan = enable_seqscan;
-	volatile int rc = 0;
+	int			save_nestlevel = NewGUCNestLevel();
+	int			rc;
 
-	enable_seqscan = false;
-	PG_TRY();
-	{
-		rc = SPI_execute_plan(plan, values, nulls, false, 0);
-	}
-	PG_FINALLY();
-	{
-		enable_seqscan = save_enable_seqscan;
-	}
-	PG_END_TRY();
+	(void) set_config_option("enable_seqscan", "off", PGC_USERSET,
+							 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
+	rc = SPI_execute_plan(plan, values, nulls, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
 	return rc;
 }
 

@@ -10,10 +10,11 @@
  * of each backend waiting for one of them in this database.  The waiter
  * then probes again.  Without shared_preload_libraries there are no slots:
  * waiters poll instead (api.c), and this file only keeps its bookkeeping.
- * Also owns the write counters: one shared counter per slice of the key
- * hash space, bumped by every write of a key before its lock is released,
- * so that a claim can tell that nobody wrote a key between its lock-free
- * probe and taking the lock (idem_wait_write_count).
+ * Also owns the insert counters: one shared counter per slice of the key
+ * hash space, moved by every claim that inserts a key, after the row is in
+ * place and before the key's lock is released, so that a claim can tell
+ * that no key of its slice was inserted between its lock-free probe and
+ * taking the lock (idem_wait_insert_count).
  * Must not decide outcomes or touch the table.
  *
  *-------------------------------------------------------------------------
@@ -34,8 +35,8 @@
 /* Keys remembered per transaction before we fall back to "wake all". */
 #define WAIT_TOUCHED_MAX	64
 
-/* Write counters: a power of two; keys share one when hash % N is equal. */
-#define WAIT_WRITE_COUNTERS	4096
+/* Insert counters: a power of two; keys share one when hash % N is equal. */
+#define WAIT_INSERT_COUNTERS	4096
 
 typedef struct WaitSlot
 {
@@ -45,7 +46,7 @@ typedef struct WaitSlot
 
 typedef struct WaitShared
 {
-	pg_atomic_uint64 writes[WAIT_WRITE_COUNTERS];	/* writes per hash slice */
+	pg_atomic_uint64 inserts[WAIT_INSERT_COUNTERS]; /* inserts per hash slice */
 	pg_atomic_uint32 nwaiting;	/* slots with a non-zero hash */
 	int			nslots;
 	WaitSlot	slots[FLEXIBLE_ARRAY_MEMBER];
@@ -93,8 +94,8 @@ idem_wait_shmem_startup(void)
 	if (!found)
 	{
 		pg_atomic_init_u32(&wait_shared->nwaiting, 0);
-		for (int i = 0; i < WAIT_WRITE_COUNTERS; i++)
-			pg_atomic_init_u64(&wait_shared->writes[i], 0);
+		for (int i = 0; i < WAIT_INSERT_COUNTERS; i++)
+			pg_atomic_init_u64(&wait_shared->inserts[i], 0);
 		wait_shared->nslots = wait_nslots();
 		for (int i = 0; i < wait_shared->nslots; i++)
 		{
@@ -228,18 +229,11 @@ idem_wait_unregister(void)
 	registered = false;
 }
 
-/*
- * Remember that this transaction wrote the key "hash", and count the write.
- * Called after the write and before the key's lock is released.
- */
+/* Remember that this transaction wrote the key "hash". */
 void
 idem_wait_touched(uint64 hash)
 {
-	if (wait_shared == NULL)
-		return;
-	/* a full barrier: the write is in place before the count moves */
-	pg_atomic_fetch_add_u64(&wait_shared->writes[hash % WAIT_WRITE_COUNTERS], 1);
-	if (touched_overflow)
+	if (wait_shared == NULL || touched_overflow)
 		return;
 	for (int i = 0; i < ntouched; i++)
 		if (touched[i] == hash)
@@ -251,20 +245,39 @@ idem_wait_touched(uint64 hash)
 }
 
 /*
- * Read the write counter of the key "hash" into *count; false without
- * preloading (no counters).  A reader that sees the same count before its
- * lock-free probe and again once it holds the key's lock knows that no
- * write of the key (none is made without the lock) happened in between
- * that the probe could have missed: a write counted after the first read
- * moved the counter before releasing the lock the reader then acquired,
- * and a write counted before it was in place before the probe began.
+ * Count an insert of the key "hash".  The claim that inserted the row calls
+ * this after the row and its index entries are in place and before it
+ * releases the key's lock.
+ */
+void
+idem_wait_count_insert(uint64 hash)
+{
+	if (wait_shared == NULL)
+		return;
+	/* a full barrier: the row is in place before the count moves */
+	pg_atomic_fetch_add_u64(&wait_shared->inserts[hash % WAIT_INSERT_COUNTERS], 1);
+}
+
+/*
+ * Read the insert counter of the key "hash" into *count; false without
+ * preloading (no counters).  Only an insert turns an absent key into a
+ * present one, and the extension inserts a key only under its lock.  So a
+ * claim whose lock-free probe found the key absent (no row, and none being
+ * changed), and that reads the same count before that probe and again once
+ * it holds the key's lock, knows that nothing the probe missed was inserted
+ * in between: an insert counted after the first read moved the counter
+ * before releasing the lock the claim then acquired, and one counted
+ * before it was in place before the probe began.  (A row inserted by
+ * plain SQL, outside the extension, is not counted: the claim's own insert
+ * then fails on the primary key, as it could before.)
  */
 bool
-idem_wait_write_count(uint64 hash, uint64 *count)
+idem_wait_insert_count(uint64 hash, uint64 *count)
 {
 	if (wait_shared == NULL)
 		return false;
-	/* a full barrier: the probe that follows reads after the count */
-	*count = pg_atomic_fetch_add_u64(&wait_shared->writes[hash % WAIT_WRITE_COUNTERS], 0);
+	*count = pg_atomic_read_u64(&wait_shared->inserts[hash % WAIT_INSERT_COUNTERS]);
+	/* the probe that follows (or the write under the lock) reads after it */
+	pg_memory_barrier();
 	return true;
 }

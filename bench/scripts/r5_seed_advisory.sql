@@ -1,6 +1,6 @@
 -- row 5: seed pattern with advisory locks (autocommit): pg_try_advisory_lock,
 -- SELECT, INSERT, pg_advisory_unlock, UPDATE
-\set k random(1, 1000000000000)
+\set k random(1, 1000000000000000000)
 SELECT pg_try_advisory_lock(hashtextextended(:scope::text || ':' || :k::text, 0));
 SELECT status, fingerprint, response_code, response_body FROM bench.seed_keys WHERE scope = :scope AND key = :k;
 INSERT INTO bench.seed_keys (scope, key, status, token, attempt, fingerprint, created_at, lease_until, expires_at, retention, sweep_at) VALUES (:scope, :k, 'pending', :k, 1, '\xd966b277e8317db59b077107cbb42d727f5f344e6dcd131f511c16bee9f6837c'::bytea, now(), now() + interval '30 s', now() + interval '1 day', interval '1 day', now() + interval '30 s');
