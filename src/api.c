@@ -480,7 +480,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 
 		idem_store_begin(&section);
 		if (!row.found)
-			idem_store_insert_claim(args->scope, args->key, token,
+			idem_store_insert_claim(args->scope, args->key, args->hash, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									now, lease_until, expires_at, retention);
 		else
@@ -490,8 +490,6 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention);
 		idem_store_end(&section);
-		if (!row.found)
-			idem_wait_count_insert(args->hash);
 		idem_wait_touched(args->hash);
 
 		res->outcome = OUTCOME_CLAIMED;

@@ -117,7 +117,8 @@ extern void idem_store_check_snapshot(const IdemRow *row);
 
 extern void idem_store_begin(IdemStoreSection *section);
 extern void idem_store_end(IdemStoreSection *section);
-extern void idem_store_insert_claim(text *scope, text *key, int64 token,
+extern void idem_store_insert_claim(text *scope, text *key, uint64 hash,
+									int64 token,
 									const uint8 *fingerprint,
 									TimestampTz now, TimestampTz lease_until,
 									TimestampTz expires_at,

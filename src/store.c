@@ -1004,9 +1004,13 @@ change_pending(StoreChange *change, int64 token, int32 attempt,
 	change_set(change, COL_SWEEP_AT, TimestampTzGetDatum(lease_until));
 }
 
-/* Insert a new pending key (first attempt). */
+/*
+ * Insert a new pending key (first attempt), under the key's lock ("hash"),
+ * and count the insert (wait.c) while that lock is still held: a claim that
+ * found the key absent relies on the count to skip its second probe.
+ */
 void
-idem_store_insert_claim(text *scope, text *key, int64 token,
+idem_store_insert_claim(text *scope, text *key, uint64 hash, int64 token,
 						const uint8 *fingerprint, TimestampTz now,
 						TimestampTz lease_until, TimestampTz expires_at,
 						Interval *retention)
@@ -1018,6 +1022,7 @@ idem_store_insert_claim(text *scope, text *key, int64 token,
 	change_set(&change, COL_SCOPE, PointerGetDatum(scope));
 	change_set(&change, COL_KEY, PointerGetDatum(key));
 	store_apply(PLAN_INSERT_CLAIM, NULL, &change);
+	idem_wait_count_insert(hash);
 }
 
 /*

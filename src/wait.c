@@ -11,7 +11,7 @@
  * then probes again.  Without shared_preload_libraries there are no slots:
  * waiters poll instead (api.c), and this file only keeps its bookkeeping.
  * Also owns the insert counters: one shared counter per slice of the key
- * hash space, moved by every claim that inserts a key, after the row is in
+ * hash space, moved by every insert of a key (store.c), after the row is in
  * place and before the key's lock is released, so that a claim can tell
  * that no key of its slice was inserted between its lock-free probe and
  * taking the lock (idem_wait_insert_count).
@@ -245,9 +245,9 @@ idem_wait_touched(uint64 hash)
 }
 
 /*
- * Count an insert of the key "hash".  The claim that inserted the row calls
- * this after the row and its index entries are in place and before it
- * releases the key's lock.
+ * Count an insert of the key "hash".  The store calls this for every row it
+ * inserts, after the row and its index entries are in place and while the
+ * key's lock is held.
  */
 void
 idem_wait_count_insert(uint64 hash)

@@ -36,21 +36,16 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-my $script = <<'EOF';
+# claim (with extra arguments), then finish at once if the claim won
+my $claim_and_finish = <<'EOF';
 SELECT nextval('storm_seq') / 8 AS k \gset
-INSERT INTO storm_log SELECT :k, outcome, token, attempt FROM idempotency.idem_claim(:k::text, '{"n": 1}', :scope) RETURNING coalesce(token, 0) AS tok \gset
+INSERT INTO storm_log SELECT :k, outcome, token, attempt FROM idempotency.idem_claim(:k::text, '{"n": 1}', :scope%s) RETURNING coalesce(token, 0) AS tok \gset
 \if :tok > 0
 SELECT idempotency.idem_finish(:k::text, :tok, 200, '{"ok": true}', :scope);
 \endif
 EOF
-
-my $script_wait = <<'EOF';
-SELECT nextval('storm_seq') / 8 AS k \gset
-INSERT INTO storm_log SELECT :k, outcome, token, attempt FROM idempotency.idem_claim(:k::text, '{"n": 1}', :scope, wait => '1 s') RETURNING coalesce(token, 0) AS tok \gset
-\if :tok > 0
-SELECT idempotency.idem_finish(:k::text, :tok, 200, '{"ok": true}', :scope);
-\endif
-EOF
+my $script      = sprintf($claim_and_finish, '');
+my $script_wait = sprintf($claim_and_finish, ", wait => '1 s'");
 
 my $script_rollback = <<'EOF';
 SELECT nextval('storm_seq') / 8 AS k \gset
