@@ -512,6 +512,7 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 	TimestampTz deadline;
 	MemoryContext outer;
 	MemoryContext round_cxt;
+	IdemWaitRegistration reg;
 
 	claim_once(args, res);
 	if (res->outcome != OUTCOME_IN_PROGRESS || wait_us <= 0 ||
@@ -522,7 +523,7 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 	outer = CurrentMemoryContext;
 	round_cxt = AllocSetContextCreate(outer, "idempotency claim wait",
 									  ALLOCSET_SMALL_SIZES);
-	idem_wait_register(args->hash);
+	idem_wait_register(args->hash, &reg);
 	PG_TRY();
 	{
 		for (;;)
@@ -546,7 +547,7 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 			sleep_us = deadline - now;
 			if (res->lease_until > now)
 				sleep_us = Min(sleep_us, res->lease_until - now);
-			if (!idem_wait_preloaded())
+			if (!reg.published)	/* not preloaded: nobody will wake us */
 				sleep_us = Min(sleep_us, WAIT_POLL_MS * 1000);
 			else if (res->busy)
 				sleep_us = Min(sleep_us, WAIT_SAFETY_MS * 1000);
@@ -560,7 +561,7 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 	}
 	PG_FINALLY();
 	{
-		idem_wait_unregister();
+		idem_wait_unregister(&reg);
 	}
 	PG_END_TRY();
 

@@ -162,12 +162,23 @@ extern int	idem_store_sweep_candidates(TimestampTz now, int limit,
 										text ***scopes, text ***keys);
 
 /* ---- wait.c ---- */
+
+/*
+ * A waiting claim's publication (idem_wait_register .. idem_wait_unregister),
+ * kept by the caller: whether it published, and the key of an outer waiting
+ * claim whose slot it borrowed (0: none).
+ */
+typedef struct IdemWaitRegistration
+{
+	bool		published;
+	uint64		outer_hash;
+} IdemWaitRegistration;
+
 extern void idem_wait_shmem_request(void);
 extern void idem_wait_shmem_startup(void);
 extern void idem_wait_init(void);
-extern bool idem_wait_preloaded(void);
-extern void idem_wait_register(uint64 hash);
-extern void idem_wait_unregister(void);
+extern void idem_wait_register(uint64 hash, IdemWaitRegistration *reg);
+extern void idem_wait_unregister(const IdemWaitRegistration *reg);
 extern void idem_wait_touched(uint64 hash);
 extern void idem_wait_count_insert(uint64 hash);
 extern bool idem_wait_insert_count(uint64 hash, uint64 *count);

@@ -62,6 +62,8 @@ static bool touched_overflow = false;
 /* Whether this backend's slot is published. */
 static bool registered = false;
 
+static void wait_withdraw(void);
+
 /* Number of PGPROC entries, which is what a pgprocno indexes. */
 static int
 wait_nslots(void)
@@ -103,13 +105,6 @@ idem_wait_shmem_startup(void)
 			wait_shared->slots[i].dbid = InvalidOid;
 		}
 	}
-}
-
-/* True when waiters can be woken (the library was preloaded). */
-bool
-idem_wait_preloaded(void)
-{
-	return wait_shared != NULL;
 }
 
 /*
@@ -178,7 +173,7 @@ wait_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 static void
 wait_before_shmem_exit(int code, Datum arg)
 {
-	idem_wait_unregister();
+	wait_withdraw();
 }
 
 /* Register the transaction callbacks (with or without preloading). */
@@ -192,15 +187,20 @@ idem_wait_init(void)
 /*
  * Publish that this backend waits for the key "hash".  The caller probes
  * again after this (and after each ResetLatch), so a settle that happens
- * between its probe and its sleep is never missed.
+ * between its probe and its sleep is never missed.  A waiting claim made
+ * inside another one's write (a trigger on the table that calls idem_claim
+ * with wait) publishes its own key for the time of its wait: *reg, on the
+ * caller's stack, keeps the outer key for idem_wait_unregister to put back.
  */
 void
-idem_wait_register(uint64 hash)
+idem_wait_register(uint64 hash, IdemWaitRegistration *reg)
 {
 	static bool exit_hook = false;
 	WaitSlot   *slot;
 
-	if (wait_shared == NULL || registered)
+	reg->published = false;
+	reg->outer_hash = 0;
+	if (wait_shared == NULL)
 		return;
 	if (!exit_hook)
 	{
@@ -210,23 +210,48 @@ idem_wait_register(uint64 hash)
 	if (MyProc == NULL || MyProc->pgprocno >= wait_shared->nslots)
 		return;
 	slot = &wait_shared->slots[MyProc->pgprocno];
+	if (registered)
+	{
+		reg->outer_hash = pg_atomic_read_u64(&slot->hash);
+		pg_atomic_write_u64(&slot->hash, hash);
+		reg->published = true;
+		pg_memory_barrier();
+		return;
+	}
 	slot->dbid = MyDatabaseId;
 	pg_write_barrier();
 	pg_atomic_write_u64(&slot->hash, hash);
 	pg_atomic_fetch_add_u32(&wait_shared->nwaiting, 1);
 	registered = true;
+	reg->published = true;
 	pg_memory_barrier();
 }
 
 /* Withdraw this backend's slot; safe to call when not published. */
-void
-idem_wait_unregister(void)
+static void
+wait_withdraw(void)
 {
 	if (!registered)
 		return;
 	pg_atomic_write_u64(&wait_shared->slots[MyProc->pgprocno].hash, 0);
 	pg_atomic_fetch_sub_u32(&wait_shared->nwaiting, 1);
 	registered = false;
+}
+
+/*
+ * End the wait published by idem_wait_register(..., reg): withdraw the
+ * slot, or hand it back to the outer waiting claim's key.
+ */
+void
+idem_wait_unregister(const IdemWaitRegistration *reg)
+{
+	if (!reg->published || !registered)
+		return;
+	if (reg->outer_hash != 0)
+		pg_atomic_write_u64(&wait_shared->slots[MyProc->pgprocno].hash,
+							reg->outer_hash);
+	else
+		wait_withdraw();
 }
 
 /* Remember that this transaction wrote the key "hash". */
