@@ -165,13 +165,14 @@ extern int	idem_store_sweep_candidates(TimestampTz now, int limit,
 
 /*
  * A waiting claim's publication (idem_wait_register .. idem_wait_unregister),
- * kept by the caller: whether it published, and the key of an outer waiting
- * claim whose slot it borrowed (0: none).
+ * kept by the caller: whether it published, and whether it borrowed the slot
+ * of an outer waiting claim, whose key it then puts back.
  */
 typedef struct IdemWaitRegistration
 {
 	bool		published;
-	uint64		outer_hash;
+	bool		nested;
+	uint64		outer_hash;		/* the outer claim's key, when nested */
 } IdemWaitRegistration;
 
 extern void idem_wait_shmem_request(void);

@@ -199,6 +199,7 @@ idem_wait_register(uint64 hash, IdemWaitRegistration *reg)
 	WaitSlot   *slot;
 
 	reg->published = false;
+	reg->nested = false;
 	reg->outer_hash = 0;
 	if (wait_shared == NULL)
 		return;
@@ -210,19 +211,20 @@ idem_wait_register(uint64 hash, IdemWaitRegistration *reg)
 	if (MyProc == NULL || MyProc->pgprocno >= wait_shared->nslots)
 		return;
 	slot = &wait_shared->slots[MyProc->pgprocno];
-	if (registered)
-	{
+	reg->nested = registered;
+	if (reg->nested)
 		reg->outer_hash = pg_atomic_read_u64(&slot->hash);
-		pg_atomic_write_u64(&slot->hash, hash);
-		reg->published = true;
-		pg_memory_barrier();
-		return;
+	else
+	{
+		slot->dbid = MyDatabaseId;
+		pg_write_barrier();
 	}
-	slot->dbid = MyDatabaseId;
-	pg_write_barrier();
 	pg_atomic_write_u64(&slot->hash, hash);
-	pg_atomic_fetch_add_u32(&wait_shared->nwaiting, 1);
-	registered = true;
+	if (!reg->nested)
+	{
+		pg_atomic_fetch_add_u32(&wait_shared->nwaiting, 1);
+		registered = true;
+	}
 	reg->published = true;
 	pg_memory_barrier();
 }
@@ -247,7 +249,7 @@ idem_wait_unregister(const IdemWaitRegistration *reg)
 {
 	if (!reg->published || !registered)
 		return;
-	if (reg->outer_hash != 0)
+	if (reg->nested)
 		pg_atomic_write_u64(&wait_shared->slots[MyProc->pgprocno].hash,
 							reg->outer_hash);
 	else
