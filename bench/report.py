@@ -149,7 +149,8 @@ w("**Machine**: %s cores (%s), PostgreSQL %s, shared with other work (noisy: tha
   % (extra.get("nproc", "?"), extra.get("cpu", "?"), extra.get("pg_version", "?")))
 w("")
 w("**Run parameters**: `%s`. pgbench `-M prepared`, each op on a fresh random key "
-  "(`random(1, 10^18)` within a per-run scope), each run after a CHECKPOINT and a warm-up of the "
+  "(`random(1, 10^18)` within a per-run scope; row 12 within the scope of the filled keys), each "
+  "run after a CHECKPOINT and a warm-up of the "
   "same script; compared scripts run back to back, in reverse order every other round (A B, B A, ...), "
   "RUNS rounds per group and PAIR_RUNS rounds for the pairs whose target has a margin of a few percent "
   "(row 1 vs row 7, row 8, row 12); "
@@ -247,6 +248,15 @@ w("Row 1 / row 7 with %s keys in the tables: %s; with %s keys (%s in the floor's
                                nb[1] if len(nb) > 1 else "?", fx(r12b), fx(r12),
                                "" if extra.get("n_big") == "10000000" else
                                " (smaller than the issue's 10M keys: a QUICK or `ROWS_10M=0` run)"))
+w("")
+w("How: the keys are filled with INSERT ... SELECT (36-character keys like a UUID, all finished), the "
+  "small tables in a second database of the same cluster (`bench_small`), and the four scripts run "
+  "in the same rounds (extension and floor on the small tables, then on the big ones; reversed "
+  "every other round), so that both halves of the ratio see the same storage and the same WAL. "
+  "Each run's new keys go into the filled scope, so they land among the filled keys, on random "
+  "leaf pages of the primary key, as new keys of a busy production scope do. The cluster is "
+  "restarted after the fill: the table filled last would otherwise start with its primary key in "
+  "shared_buffers and the other one without.")
 if "bytes_per_key" in extra:
     tot, heap, idx, n, ext_tot, ext_n = (int(x) for x in extra["bytes_per_key"].split())
     w("")
