@@ -15,9 +15,22 @@ ISOLATION_OPTS = --load-extension=idempotency
 TAP_TESTS    = 1
 
 PG_CPPFLAGS = -I$(srcdir)/src
+
+# A test build (make IDEM_TEST_PAUSES=1, as ./run test builds) adds the
+# pause points that the isolation specs named pause_* need to force one
+# exact interleaving; any other build leaves those specs out.
+ifdef IDEM_TEST_PAUSES
+OBJS        += src/pause.o
+PG_CPPFLAGS += -DIDEM_TEST_PAUSES
+else
+ISOLATION   := $(filter-out pause_%,$(ISOLATION))
+endif
+
 # fingerprint.c calls OpenSSL's SHA-256 directly when PostgreSQL uses OpenSSL
 SHLIB_LINK  = $(filter -lcrypto, $(LIBS))
-PG_CFLAGS   = -Wall -Wextra -Werror -Wno-unused-parameter \
+# ./run test adds -Werror (COPT); a packager's build must not fail on a
+# warning that a newer compiler invents.
+PG_CFLAGS   = -Wall -Wextra -Wno-unused-parameter \
               -Wno-missing-field-initializers -Wno-sign-compare
 
 PG_CONFIG ?= pg_config

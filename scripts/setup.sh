@@ -9,15 +9,17 @@
 #                                       is installed)
 #   setup_copy_tree <src> <dest>        copy the working tree without .git,
 #                                       build products and test output
-#   setup_build_install <dir>           make (with the Makefile's -Werror)
-#                                       and make install in <dir>
+#   setup_build_install <dir>           make and make install in <dir>
 #   setup_make_var <dir> <VAR>          print a variable of <dir>/Makefile
 #                                       (e.g. REGRESS, ISOLATION)
 #
 # Settings (environment): PG_CONFIG (default
-# /usr/lib/postgresql/15/bin/pg_config).
+# /usr/lib/postgresql/15/bin/pg_config).  SETUP_MAKE_FLAGS (an array, empty
+# by default) holds extra make variables for every make call above, so that
+# a test build and the lists of its tests agree (./run test sets it).
 
 : "${PG_CONFIG:=/usr/lib/postgresql/15/bin/pg_config}"
+SETUP_MAKE_FLAGS=()
 
 # Debian packages that building and testing the extension needs.
 SETUP_PACKAGES=(
@@ -71,13 +73,15 @@ setup_copy_tree() {
 		tar -C "$dest" -xf -
 }
 
-# Build the extension in <dir> (warnings are errors) and install it.
+# Build the extension in <dir> and install it.
 setup_build_install() {
 	local dir=$1
-	echo "== build: make PG_CONFIG=$PG_CONFIG (-Werror)"
-	make -s -C "$dir" --no-print-directory -j "$(nproc)" PG_CONFIG="$PG_CONFIG" || return 1
+	echo "== build: make PG_CONFIG=$PG_CONFIG ${SETUP_MAKE_FLAGS[*]}"
+	make -s -C "$dir" --no-print-directory -j "$(nproc)" PG_CONFIG="$PG_CONFIG" \
+		"${SETUP_MAKE_FLAGS[@]}" || return 1
 	echo "== install: make install"
-	make -s -C "$dir" --no-print-directory PG_CONFIG="$PG_CONFIG" install || return 1
+	make -s -C "$dir" --no-print-directory PG_CONFIG="$PG_CONFIG" \
+		"${SETUP_MAKE_FLAGS[@]}" install || return 1
 }
 
 # Print the value of variable <VAR> as <dir>/Makefile computes it.
@@ -86,5 +90,5 @@ setup_make_var() {
 	# shellcheck disable=SC2016 # $(VAR) is make syntax, not the shell's
 	make -s --no-print-directory -C "$dir" -f Makefile \
 		-f <(printf '_print_var:\n\t@echo $(%s)\n' "$var") \
-		PG_CONFIG="$PG_CONFIG" _print_var
+		PG_CONFIG="$PG_CONFIG" "${SETUP_MAKE_FLAGS[@]}" _print_var
 }

@@ -124,7 +124,7 @@ suite_installcheck() {
 	(cd "$src" && suite_run "$log" "$SUITE_TIMEOUT" --as-postgres env "${env[@]}" \
 		PGHOST="$(cluster_host "$cluster")" PGPORT="$(cluster_port "$cluster")" \
 		PGUSER=postgres make --no-print-directory PG_CONFIG="$PG_CONFIG" \
-		TAP_TESTS= PROVE_TESTS= installcheck "$@")
+		"${SETUP_MAKE_FLAGS[@]}" TAP_TESTS= PROVE_TESTS= installcheck "$@")
 }
 
 # pg_regress: every sql/*.sql test of the Makefile's REGRESS list.

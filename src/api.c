@@ -33,6 +33,7 @@
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "storage/latch.h"
+#include "storage/lmgr.h"
 #include "tcop/utility.h"
 #include "utils/builtins.h"
 #include "utils/datum.h"
@@ -430,11 +431,11 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	TimestampTz now = GetCurrentTimestamp();
 	IdemRow		row;
 	ClaimAction action;
-	uint64		inserts_before = 0;
-	uint64		inserts_now;
+	uint64		writes_before = 0;
+	uint64		writes_now;
 	bool		counted;
 
-	counted = idem_wait_insert_count(args->hash, &inserts_before);
+	counted = idem_wait_write_count(args->hash, &writes_before);
 	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	if (claim_decide(args, &row, now, res) == ACTION_ANSWER)
 		return;
@@ -451,13 +452,13 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 
 	/*
 	 * Under the lock nobody else can start changing the key: look again,
-	 * unless the key was absent and no key of its slice was inserted since
-	 * we looked (wait.c, idem_wait_insert_count; a fresh key is the common
+	 * unless the key was absent and no key of its slice was written since
+	 * we looked (wait.c, idem_wait_write_count; a fresh key is the common
 	 * case, and this saves its second index descent).
 	 */
 	if (row.found || row.busy || !counted ||
-		!idem_wait_insert_count(args->hash, &inserts_now) ||
-		inserts_now != inserts_before)
+		!idem_wait_write_count(args->hash, &writes_now) ||
+		writes_now != writes_before)
 		idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	action = claim_decide(args, &row, now, res);
 	if (action != ACTION_ANSWER)
@@ -480,7 +481,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 
 		idem_store_begin(&section);
 		if (!row.found)
-			idem_store_insert_claim(args->scope, args->key, args->hash, token,
+			idem_store_insert_claim(args->scope, args->key, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									now, lease_until, expires_at, retention);
 		else
@@ -490,7 +491,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention);
 		idem_store_end(&section);
-		idem_wait_touched(args->hash);
+		idem_wait_wrote(args->hash);
 
 		res->outcome = OUTCOME_CLAIMED;
 		res->token = token;
@@ -685,13 +686,28 @@ static const char *const call_names[] = {"finish", "extend", "release"};
  * documented error for every case in which the call may not proceed.
  * Returns false (with the lock still held) only for a finish repeated with
  * the token that finished the key: the caller answers from *row.
+ *
+ * Another transaction's change that keeps "token" current (a sweep moving
+ * the row's sweep_at, or an extend or finish made with this same token
+ * elsewhere) is waited for: without the key's lock, so that the wait can
+ * never close a cycle through it, and then the key is probed afresh.  A
+ * takeover, reset or release in flight is not: it raises at once, since
+ * the token is as good as dead.
  */
 static bool
 token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 				 int64 token, IdemRow *row, TimestampTz now)
 {
-	(void) idem_store_lock(hash, true);
-	idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, row);
+	for (;;)
+	{
+		(void) idem_store_lock(hash, true);
+		idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, row);
+		if (!row->busy || row->locked || row->busy_token == 0 ||
+			row->busy_token != token)
+			break;
+		idem_store_unlock(hash);
+		XactLockTableWait(row->busy_xid, NULL, NULL, XLTW_None);
+	}
 
 	if (row->busy || row->locked)
 		ereport(ERROR,
@@ -773,7 +789,7 @@ idem_finish(PG_FUNCTION_ARGS)
 					  PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2), body, now,
 					  expires_at);
 	idem_store_end(&section);
-	idem_wait_touched(hash);
+	idem_wait_wrote(hash);
 	idem_store_unlock(hash);
 	idem_stats_count(IDEM_STAT_FINISHES, 1);
 
@@ -812,7 +828,7 @@ idem_extend(PG_FUNCTION_ARGS)
 	idem_store_begin(&section);
 	idem_store_extend(&row, lease_until, expires_at);
 	idem_store_end(&section);
-	idem_wait_touched(hash);
+	idem_wait_wrote(hash);
 	idem_store_unlock(hash);
 
 	PG_RETURN_TIMESTAMPTZ(lease_until);
@@ -840,7 +856,7 @@ idem_release(PG_FUNCTION_ARGS)
 	idem_store_begin(&section);
 	idem_store_delete(&row);
 	idem_store_end(&section);
-	idem_wait_touched(hash);
+	idem_wait_wrote(hash);
 	idem_store_unlock(hash);
 	idem_stats_count(IDEM_STAT_RELEASES, 1);
 

@@ -75,5 +75,8 @@ idem_guc_init(void)
 							PGC_SIGHUP, GUC_UNIT_MS,
 							NULL, NULL, NULL);
 
+#ifdef IDEM_TEST_PAUSES
+	idem_pause_init();
+#endif
 	MarkGUCPrefixReserved("idempotency");
 }

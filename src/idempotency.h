@@ -11,12 +11,13 @@
  *	                 per-key advisory lock and the prepared SPI writes
  *	  wait.c         waiting for an in-flight attempt: shared-memory
  *	                 waiter slots and the wake-up at commit or abort;
- *	                 the per-hash insert counters
+ *	                 the per-hash write counters
  *	  stats.c        shared-memory counters behind the idempotency.stats view
  *	  worker.c       the background sweeper (launcher + per-database worker)
  *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
  *	  tenant.c       scope bindings: which scopes a role may use
  *	  api.c          the SQL-callable functions
+ *	  pause.c        pause points for isolation tests (test builds only)
  *
  *-------------------------------------------------------------------------
  */
@@ -49,6 +50,21 @@ extern int	idem_max_response_size;
 extern int	idem_sweep_interval_ms;
 extern void idem_guc_init(void);
 
+/*
+ * Pause points, only in test builds (make IDEM_TEST_PAUSES=1): a session
+ * whose idempotency.test_pause names the point waits there while another
+ * session holds pg_advisory_lock(IDEM_PAUSE_LOCK), so that an isolation
+ * spec can stop it at an exact place.
+ */
+#define IDEM_PAUSE_LOCK			7655
+#ifdef IDEM_TEST_PAUSES
+extern void idem_pause_init(void);
+extern void idem_pause(const char *point);
+#define IDEM_PAUSE(point)		idem_pause(point)
+#else
+#define IDEM_PAUSE(point)		((void) 0)
+#endif
+
 /* ---- fingerprint.c ---- */
 extern void idem_fingerprint(Datum jsonb, uint8 *out);
 extern uint64 idem_key_hash(text *scope, text *key);
@@ -72,12 +88,18 @@ typedef struct IdemStoreSection
  * nobody may answer from it).  "locked" is set when another running
  * transaction holds a row lock (FOR UPDATE / SHARE) on it: readers may
  * answer from it, but a write would wait.  "mine" is set when the current
- * row was written by the caller's own open transaction.
+ * row was written by the caller's own open transaction.  When busy,
+ * busy_xid is the transaction changing the row and busy_token the token of
+ * the new row version it writes (0 when it writes none with a token: a
+ * delete, a reset), so that the holder of that token can tell a change
+ * that keeps its token current from a takeover.
  */
 typedef struct IdemRow
 {
 	bool		found;
 	bool		busy;
+	TransactionId busy_xid;
+	int64		busy_token;
 	bool		locked;			/* row-locked by another running transaction */
 	bool		mine;
 	ItemPointerData tid;
@@ -117,8 +139,7 @@ extern void idem_store_check_snapshot(const IdemRow *row);
 
 extern void idem_store_begin(IdemStoreSection *section);
 extern void idem_store_end(IdemStoreSection *section);
-extern void idem_store_insert_claim(text *scope, text *key, uint64 hash,
-									int64 token,
+extern void idem_store_insert_claim(text *scope, text *key, int64 token,
 									const uint8 *fingerprint,
 									TimestampTz now, TimestampTz lease_until,
 									TimestampTz expires_at,
@@ -180,9 +201,8 @@ extern void idem_wait_shmem_startup(void);
 extern void idem_wait_init(void);
 extern void idem_wait_register(uint64 hash, IdemWaitRegistration *reg);
 extern void idem_wait_unregister(const IdemWaitRegistration *reg);
-extern void idem_wait_touched(uint64 hash);
-extern void idem_wait_count_insert(uint64 hash);
-extern bool idem_wait_insert_count(uint64 hash, uint64 *count);
+extern void idem_wait_wrote(uint64 hash);
+extern bool idem_wait_write_count(uint64 hash, uint64 *count);
 
 /* ---- stats.c ---- */
 typedef enum IdemCounter

@@ -17,8 +17,9 @@
  * Must not decide outcomes (api.c and sweep.c do), and must never wait on
  * another transaction's row: callers write only under the key's lock,
  * after a probe showed that nobody else is changing the row (under the
- * lock, or, for a claim's insert, before it when the key's insert counter
- * proves that nothing was inserted since).
+ * lock, or, for a claim's insert, before it when the key's write counter
+ * proves that nothing was written since), and count every write
+ * (idem_wait_wrote) before releasing the lock.
  *
  *-------------------------------------------------------------------------
  */
@@ -49,6 +50,7 @@
 #include "storage/lmgr.h"
 #include "storage/lock.h"
 #include "storage/procarray.h"
+#include "storage/sinval.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/datum.h"
@@ -221,6 +223,16 @@ idem_store_check_member(Oid relid)
 				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
 }
 
+/* Raise 55000 for an extension object that is not as the extension made it. */
+static void
+store_replaced(const char *what)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("%s is not as extension \"idempotency\" created it", what),
+			 errhint("Someone replaced the extension's objects; reinstall the extension.")));
+}
+
 /* The column types store_read_slot relies on, in table order. */
 static void
 store_check_columns(Relation heap)
@@ -233,28 +245,27 @@ store_check_columns(Relation heap)
 	TupleDesc	desc = RelationGetDescr(heap);
 
 	if (desc->natts != NUM_COLS)
-		elog(ERROR, "table \"idempotency.keys\" has %d columns, expected %d",
-			 desc->natts, NUM_COLS);
+		store_replaced("table \"idempotency.keys\"");
 	for (int i = 0; i < NUM_COLS; i++)
 		if (TupleDescAttr(desc, i)->atttypid != types[i] ||
 			TupleDescAttr(desc, i)->attisdropped)
-			elog(ERROR, "column %d of table \"idempotency.keys\" has an unexpected type",
-				 i + 1);
+			store_replaced("table \"idempotency.keys\"");
 }
 
 /*
- * Refuse an index that is not the btree on "ncols" columns of
- * idempotency.keys we scan directly (indexes are not extension members:
- * they belong to their table, so check what they index).
+ * Refuse an index that is not the btree on "ncols" columns of the table
+ * "keys" that we scan directly (indexes are not extension members: they
+ * belong to their table, so check what they index).
  */
 static void
-store_check_index(Oid indexid, int ncols, AttrNumber col1, AttrNumber col2)
+store_check_index(Oid indexid, Oid keys, int ncols, AttrNumber col1,
+				  AttrNumber col2)
 {
 	Relation	index = index_open(indexid, AccessShareLock);
 	Form_pg_index form = index->rd_index;
 	bool		ok;
 
-	ok = form->indrelid == rels.keys && form->indisvalid &&
+	ok = form->indrelid == keys && form->indisvalid &&
 		index->rd_rel->relam == BTREE_AM_OID &&
 		form->indnkeyatts == ncols &&
 		form->indkey.values[0] == col1 &&
@@ -271,13 +282,55 @@ store_check_index(Oid indexid, int ncols, AttrNumber col1, AttrNumber col2)
 }
 
 /*
- * Find the extension's relations.  The schema name is fixed (the extension
- * is not relocatable), so no search_path is involved.
+ * Look the extension's relations up by name into *found, and lock each
+ * (AccessShareLock, as every later use does) so that none can be dropped
+ * or replaced before the transaction ends.  The schema name is fixed (the
+ * extension is not relocatable), so no search_path is involved.
+ */
+static void
+store_find_rels(StoreRels *found)
+{
+	Oid			nsp = get_namespace_oid("idempotency", true);
+
+	memset(found, 0, sizeof(StoreRels));
+	if (OidIsValid(nsp))
+	{
+		found->keys = get_relname_relid("keys", nsp);
+		found->pkey = get_relname_relid("keys_pkey", nsp);
+		found->sweep_idx = get_relname_relid("keys_sweep_at_idx", nsp);
+		found->token_seq = get_relname_relid("token_seq", nsp);
+	}
+	if (!OidIsValid(nsp) || !OidIsValid(found->keys) ||
+		!OidIsValid(found->token_seq))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_OBJECT),
+				 errmsg("extension \"idempotency\" is not installed in this database"),
+				 errhint("Run CREATE EXTENSION idempotency.")));
+	if (!OidIsValid(found->pkey) || !OidIsValid(found->sweep_idx))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("index \"%s\" of extension \"idempotency\" is missing",
+						OidIsValid(found->pkey) ? "keys_sweep_at_idx" : "keys_pkey"),
+				 errhint("Someone dropped the extension's objects; reinstall the extension.")));
+	LockRelationOid(found->keys, AccessShareLock);
+	LockRelationOid(found->pkey, AccessShareLock);
+	LockRelationOid(found->sweep_idx, AccessShareLock);
+	LockRelationOid(found->token_seq, AccessShareLock);
+}
+
+/*
+ * Find the extension's relations and check them, then publish them in
+ * "rels".  A name may point to a new relation by the time its lock is
+ * granted (a DROP and CREATE INDEX committed while we waited): as
+ * RangeVarGetRelidExtended does, look the names up again whenever
+ * invalidations arrived meanwhile, until the OIDs we hold locks on are the
+ * ones the names mean.  Nothing is published until every check passed, so
+ * an error leaves the cache invalid and the next call looks again.
  */
 static void
 store_lookup_rels(void)
 {
-	Oid			nsp;
+	StoreRels	found;
 
 	if (rels.valid)
 		return;
@@ -286,38 +339,32 @@ store_lookup_rels(void)
 		CacheRegisterRelcacheCallback(store_relcache_callback, (Datum) 0);
 		callback_registered = true;
 	}
-	nsp = get_namespace_oid("idempotency", true);
-	if (OidIsValid(nsp))
+	for (;;)
 	{
-		rels.keys = get_relname_relid("keys", nsp);
-		rels.pkey = get_relname_relid("keys_pkey", nsp);
-		rels.sweep_idx = get_relname_relid("keys_sweep_at_idx", nsp);
-		rels.token_seq = get_relname_relid("token_seq", nsp);
-	}
-	if (!OidIsValid(nsp) || !OidIsValid(rels.keys) ||
-		!OidIsValid(rels.token_seq))
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_OBJECT),
-				 errmsg("extension \"idempotency\" is not installed in this database"),
-				 errhint("Run CREATE EXTENSION idempotency.")));
-	idem_store_check_member(rels.keys);
-	idem_store_check_member(rels.token_seq);
-	{
-		Relation	heap = table_open(rels.keys, AccessShareLock);
+		uint64		inval_count = SharedInvalidMessageCounter;
+		Relation	heap;
 
+		store_find_rels(&found);
+		if (inval_count != SharedInvalidMessageCounter)
+			continue;			/* a name may have moved: look again */
+		idem_store_check_member(found.keys);
+		idem_store_check_member(found.token_seq);
+		heap = table_open(found.keys, AccessShareLock);
 		store_check_columns(heap);
-		rels.owner = heap->rd_rel->relowner;
+		found.owner = heap->rd_rel->relowner;
 		table_close(heap, NoLock);
+		store_check_index(found.pkey, found.keys, 2, COL_SCOPE, COL_KEY);
+		store_check_index(found.sweep_idx, found.keys, 1, COL_SWEEP_AT, 0);
+		if (inval_count == SharedInvalidMessageCounter)
+			break;
 	}
-	if (!OidIsValid(rels.pkey) || !OidIsValid(rels.sweep_idx))
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("index \"%s\" of extension \"idempotency\" is missing",
-						OidIsValid(rels.pkey) ? "keys_sweep_at_idx" : "keys_pkey"),
-				 errhint("Someone dropped the extension's objects; reinstall the extension.")));
-	store_check_index(rels.pkey, 2, COL_SCOPE, COL_KEY);
-	store_check_index(rels.sweep_idx, 1, COL_SWEEP_AT, 0);
-	rels.valid = true;
+
+	/*
+	 * Publish at once: an invalidation that arrives from here on clears
+	 * "valid" through the callback, which compares against these OIDs.
+	 */
+	found.valid = true;
+	rels = found;
 }
 
 /* Copy one column of a probed row into *row. */
@@ -404,6 +451,27 @@ store_take_tuple(TupleTableSlot *slot, bool want_body, IdemRow *row)
 		heap_freetuple(tuple);
 }
 
+/*
+ * Record that the tuple in "slot", which the dirty snapshot "dirty" just
+ * returned, is being changed by another transaction: which one, and, when
+ * the tuple is the new version it writes, the token that version carries.
+ */
+static void
+store_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
+{
+	row->busy = true;
+	if (TransactionIdIsValid(dirty->xmin))
+	{
+		bool		isnull;
+		Datum		token = slot_getattr(slot, COL_TOKEN, &isnull);
+
+		row->busy_xid = dirty->xmin;
+		row->busy_token = isnull ? 0 : DatumGetInt64(token);
+	}
+	else if (!TransactionIdIsValid(row->busy_xid))
+		row->busy_xid = dirty->xmax;
+}
+
 /* Does the row in "slot" hold (scope, key)? */
 static bool
 store_slot_is_key(TupleTableSlot *slot, text *scope, text *key)
@@ -461,8 +529,14 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
 	slot = table_slot_create(heap, NULL);
 	scan = index_beginscan(heap, index, snapshot, 2, 0);
 	index_rescan(scan, skey, 2, NULL, 0);
-	while (index_getnext_slot(scan, ForwardScanDirection, slot))
+	/* index_getnext_slot, spelled out to put a pause point in the middle */
+	while (scan->xs_heap_continue ||
+		   index_getnext_tid(scan, ForwardScanDirection) != NULL)
 	{
+		/* The index page is read; the heap is not yet. */
+		IDEM_PAUSE("probe-index-read");
+		if (!index_fetch_heap(scan, slot))
+			continue;
 		if (mode == IDEM_PROBE_SNAPSHOT)
 		{
 			HeapTuple	tuple;
@@ -475,10 +549,9 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
 			if (should_free)
 				heap_freetuple(tuple);
 		}
-		else if (mode == IDEM_PROBE_LATEST &&
-				 (TransactionIdIsValid(dirty.xmin) ||
-				  TransactionIdIsValid(dirty.xmax)))
-			row->busy = true;
+		else if (TransactionIdIsValid(dirty.xmin) ||
+				 TransactionIdIsValid(dirty.xmax))
+			store_note_busy(slot, &dirty, row);
 		else
 			store_take_tuple(slot, want_body, row);
 	}
@@ -507,7 +580,7 @@ idem_store_fetch(IdemFetch *fetch, ItemPointer tid, text *scope, text *key,
 	{
 		if (TransactionIdIsValid(dirty.xmin) ||
 			TransactionIdIsValid(dirty.xmax))
-			row->busy = true;
+			store_note_busy(fetch->slot, &dirty, row);
 		else
 		{
 			store_take_tuple(fetch->slot, false, row);
@@ -1004,13 +1077,9 @@ change_pending(StoreChange *change, int64 token, int32 attempt,
 	change_set(change, COL_SWEEP_AT, TimestampTzGetDatum(lease_until));
 }
 
-/*
- * Insert a new pending key (first attempt), under the key's lock ("hash"),
- * and count the insert (wait.c) while that lock is still held: a claim that
- * found the key absent relies on the count to skip its second probe.
- */
+/* Insert a new pending key (first attempt). */
 void
-idem_store_insert_claim(text *scope, text *key, uint64 hash, int64 token,
+idem_store_insert_claim(text *scope, text *key, int64 token,
 						const uint8 *fingerprint, TimestampTz now,
 						TimestampTz lease_until, TimestampTz expires_at,
 						Interval *retention)
@@ -1022,7 +1091,6 @@ idem_store_insert_claim(text *scope, text *key, uint64 hash, int64 token,
 	change_set(&change, COL_SCOPE, PointerGetDatum(scope));
 	change_set(&change, COL_KEY, PointerGetDatum(key));
 	store_apply(PLAN_INSERT_CLAIM, NULL, &change);
-	idem_wait_count_insert(hash);
 }
 
 /*

@@ -42,6 +42,7 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 {
 	uint64		locked[SWEEP_CHUNK];
 	ItemPointerData work[3][SWEEP_CHUNK];
+	uint64		work_hash[3][SWEEP_CHUNK];
 	int			nwork[3] = {0, 0, 0};
 	int			done[3];
 	int			nlocked = 0;
@@ -81,16 +82,20 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 		}
 		else
 			kind = IDEM_SWEEP_RESCHEDULE;
-		work[kind][nwork[kind]++] = row.tid;
-		if (kind != IDEM_SWEEP_RESCHEDULE)
-			idem_wait_touched(hash);
+		work[kind][nwork[kind]] = row.tid;
+		work_hash[kind][nwork[kind]++] = hash;
 	}
 
 	idem_store_fetch_end(&fetch);
 
 	for (int kind = 0; kind < 3; kind++)
+	{
 		done[kind] = idem_store_sweep_apply((IdemSweepWork) kind, work[kind],
 											nwork[kind], now);
+		/* Counted whether or not a direct delete skipped the row. */
+		for (int i = 0; i < nwork[kind]; i++)
+			idem_wait_wrote(work_hash[kind][i]);
+	}
 	for (int i = 0; i < nlocked; i++)
 		idem_store_unlock(locked[i]);
 

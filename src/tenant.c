@@ -41,12 +41,27 @@ typedef struct Binding
 	int			prefix_len;
 } Binding;
 
+/*
+ * The published cache.  A load builds a new list aside and publishes it
+ * only once complete: an error in the middle of a load (a lock timeout, a
+ * cancel, out of memory) leaves cache_valid false, so the next call loads
+ * again instead of trusting a half-read list.  An empty list that is
+ * valid means "nobody is bound", which lets every role through.
+ */
 static bool cache_valid = false;
-static bool callback_registered = false;
-static Oid	bindings_relid = InvalidOid;
 static Binding *bindings = NULL;
 static int	nbindings = 0;
 static MemoryContext cache_cxt = NULL;
+
+/*
+ * Set by the relcache callback.  A load clears it once it holds its lock on
+ * the table and publishes the list as valid only if it is still clear at
+ * the end: a change that committed while we were reading invalidates what
+ * we read.
+ */
+static bool invalidated_during_load = false;
+static Oid	bindings_relid = InvalidOid;
+static bool callback_registered = false;
 
 PG_FUNCTION_INFO_V1(idem_scope_bindings_changed);
 
@@ -55,24 +70,53 @@ static void
 tenant_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == bindings_relid)
+	{
 		cache_valid = false;
+		invalidated_during_load = true;
+	}
+}
+
+/* Append one binding to the list under construction. */
+static void
+tenant_add(Binding **list, int *n, int *allocated, MemoryContext cxt,
+		   Oid role, const char *prefix)
+{
+	if (*n == *allocated)
+	{
+		*allocated = Max(8, *allocated * 2);
+		*list = *list == NULL ?
+			MemoryContextAlloc(cxt, sizeof(Binding) * *allocated) :
+			repalloc(*list, sizeof(Binding) * *allocated);
+	}
+	(*list)[*n].role = role;
+	(*list)[*n].prefix = MemoryContextStrdup(cxt, prefix);
+	(*list)[*n].prefix_len = strlen(prefix);
+	(*n)++;
 }
 
 /*
- * Load every binding.  Reads the table directly with the latest snapshot,
- * as PostgreSQL's own caches read catalogs: the transaction's snapshot
- * (REPEATABLE READ) could predate the change whose invalidation made us
- * reload, and we would keep the stale list.  The cache is marked valid
- * before reading, so an invalidation that arrives meanwhile wins.
+ * Load every binding and publish the list.  Reads the table directly with
+ * the latest snapshot, as PostgreSQL's own caches read catalogs: the
+ * transaction's snapshot (REPEATABLE READ) could predate the change whose
+ * invalidation made us reload, and we would keep the stale list.
+ *
+ * The list is built in a memory context that belongs to the current
+ * transaction until the load completes, so an error anywhere in between
+ * frees it with the transaction and leaves the published cache untouched
+ * and invalid.
  */
 static void
 tenant_load(void)
 {
 	Oid			nsp;
+	Oid			relid;
 	Relation	rel;
 	TableScanDesc scan;
 	TupleTableSlot *slot;
 	Snapshot	snapshot;
+	MemoryContext load_cxt;
+	Binding    *list = NULL;
+	int			n = 0;
 	int			allocated = 0;
 
 	if (!callback_registered)
@@ -80,55 +124,63 @@ tenant_load(void)
 		CacheRegisterRelcacheCallback(tenant_relcache_callback, (Datum) 0);
 		callback_registered = true;
 	}
-	if (cache_cxt == NULL)
-		cache_cxt = AllocSetContextCreate(TopMemoryContext,
-										  "idempotency scope bindings",
-										  ALLOCSET_SMALL_SIZES);
-	MemoryContextReset(cache_cxt);
-	bindings = NULL;
-	nbindings = 0;
-	cache_valid = true;
+	load_cxt = AllocSetContextCreate(CurrentMemoryContext,
+									 "idempotency scope bindings",
+									 ALLOCSET_SMALL_SIZES);
 
 	nsp = get_namespace_oid("idempotency", true);
-	bindings_relid = OidIsValid(nsp) ?
+	relid = OidIsValid(nsp) ?
 		get_relname_relid("scope_bindings", nsp) : InvalidOid;
-	if (!OidIsValid(bindings_relid))
-		return;
-
-	idem_store_check_member(bindings_relid);
-	rel = table_open(bindings_relid, AccessShareLock);
-	if (RelationGetNumberOfAttributes(rel) != 2 ||
-		TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
-		TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
-		elog(ERROR, "table \"idempotency.scope_bindings\" does not have the expected columns");
-	snapshot = RegisterSnapshot(GetLatestSnapshot());
-	slot = table_slot_create(rel, NULL);
-	scan = table_beginscan(rel, snapshot, 0, NULL);
-	while (table_scan_getnextslot(scan, ForwardScanDirection, slot))
+	/* The callback must recognise the table from here on. */
+	bindings_relid = relid;
+	if (OidIsValid(relid))
 	{
-		bool		isnull;
-		Datum		role = slot_getattr(slot, 1, &isnull);
-		Datum		prefix = slot_getattr(slot, 2, &isnull);
-		char	   *p;
-
-		if (nbindings == allocated)
+		idem_store_check_member(relid);
+		rel = table_open(relid, AccessShareLock);
+		/* Invalidations queued before the lock are in what we read now. */
+		invalidated_during_load = false;
+		if (RelationGetNumberOfAttributes(rel) != 2 ||
+			TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
+			TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("table \"idempotency.scope_bindings\" does not have the expected columns"),
+					 errhint("Someone replaced the extension's objects; reinstall the extension.")));
+		snapshot = RegisterSnapshot(GetLatestSnapshot());
+		slot = table_slot_create(rel, NULL);
+		scan = table_beginscan(rel, snapshot, 0, NULL);
+		while (table_scan_getnextslot(scan, ForwardScanDirection, slot))
 		{
-			allocated = Max(8, allocated * 2);
-			bindings = bindings == NULL ?
-				MemoryContextAlloc(cache_cxt, sizeof(Binding) * allocated) :
-				repalloc(bindings, sizeof(Binding) * allocated);
+			bool		isnull;
+			Datum		role = slot_getattr(slot, 1, &isnull);
+			Datum		prefix = slot_getattr(slot, 2, &isnull);
+			char	   *p = TextDatumGetCString(prefix);
+
+			CHECK_FOR_INTERRUPTS();
+			tenant_add(&list, &n, &allocated, load_cxt,
+					   DatumGetObjectId(role), p);
+			pfree(p);
 		}
-		p = TextDatumGetCString(prefix);
-		bindings[nbindings].role = DatumGetObjectId(role);
-		bindings[nbindings].prefix = MemoryContextStrdup(cache_cxt, p);
-		bindings[nbindings].prefix_len = strlen(p);
-		nbindings++;
-		pfree(p);
+		table_endscan(scan);
+		ExecDropSingleTupleTableSlot(slot);
+		UnregisterSnapshot(snapshot);
+		table_close(rel, AccessShareLock);
 	}
-	table_endscan(scan);
-	ExecDropSingleTupleTableSlot(slot);
-	UnregisterSnapshot(snapshot);
-	table_close(rel, AccessShareLock);
+	else
+		invalidated_during_load = false;
+
+	/* Complete: publish.  Nothing below can fail. */
+	MemoryContextSetParent(load_cxt, TopMemoryContext);
+	if (cache_cxt != NULL)
+		MemoryContextDelete(cache_cxt);
+	cache_cxt = load_cxt;
+	bindings = list;
+	nbindings = n;
+	/*
+	 * The list serves this call either way; it is kept for later calls only
+	 * if no change to the table arrived while we read it.
+	 */
+	cache_valid = !invalidated_during_load;
 }
 
 /*
