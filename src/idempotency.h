@@ -173,7 +173,8 @@ typedef enum IdemSweepWork
 {
 	IDEM_SWEEP_DELETE,			/* retention passed: the key goes */
 	IDEM_SWEEP_RESET,			/* lease ended: the token dies */
-	IDEM_SWEEP_RESCHEDULE		/* found early: move sweep_at forward */
+	IDEM_SWEEP_RESCHEDULE,		/* found early: move sweep_at forward */
+	IDEM_SWEEP_NKINDS
 } IdemSweepWork;
 
 extern int	idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids,

@@ -170,6 +170,8 @@ stats_claim_entry(void)
 				pg_atomic_write_u64(&e->counters[c], 0);
 			e->last_sweep_at = 0;
 			e->last_sweep_ms = 0;
+			/* Readers check dbid without the lock: zeroes first, then dbid. */
+			pg_write_barrier();
 			e->dbid = MyDatabaseId;
 			my_entry = e;
 			my_entry_db = MyDatabaseId;
@@ -224,9 +226,12 @@ idem_stats_counters(PG_FUNCTION_ARGS)
 		TimestampTz at;
 		double		ms;
 
-		if (e->dbid == InvalidOid)
+		Oid			dbid = e->dbid;
+
+		if (dbid == InvalidOid)
 			continue;
-		values[0] = ObjectIdGetDatum(e->dbid);
+		pg_read_barrier();		/* pairs with the claim's write barrier */
+		values[0] = ObjectIdGetDatum(dbid);
 		for (int c = 0; c < IDEM_STAT_NCOUNTERS; c++)
 			values[c + 1] = Int64GetDatum((int64)
 										  pg_atomic_read_u64(&e->counters[c]));

@@ -414,23 +414,46 @@ store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
 }
 
 /*
- * Is the tuple row-locked (FOR UPDATE / SHARE, no update) by another
- * transaction that is still running?  A dirty snapshot shows such a tuple
- * as plainly visible, but writing it would wait for the locker.
+ * Does a tuple header with this infomask and raw xmax say that another
+ * transaction, still running, holds a row lock on it (FOR UPDATE / SHARE,
+ * no update)?  A dirty snapshot shows such a tuple as plainly visible, but
+ * writing it would wait for the locker.
  */
 static bool
-store_locked_by_other(HeapTupleHeader tup)
+store_xmax_locks_other(uint16 infomask, TransactionId xmax)
 {
-	uint16		infomask = tup->t_infomask;
-	TransactionId xmax;
-
 	if ((infomask & HEAP_XMAX_INVALID) || !HEAP_XMAX_IS_LOCKED_ONLY(infomask))
 		return false;
-	xmax = HeapTupleHeaderGetRawXmax(tup);
 	if (infomask & HEAP_XMAX_IS_MULTI)
 		return MultiXactIdIsRunning((MultiXactId) xmax, true);
 	return !TransactionIdIsCurrentTransactionId(xmax) &&
 		TransactionIdIsInProgress(xmax);
+}
+
+/*
+ * Is the tuple in "slot" (just fetched from its buffer) row-locked by
+ * another running transaction?  Its header lives in a shared buffer that
+ * other backends change under the buffer's lock (a locker sets xmax and
+ * infomask, and an update marks the old version locked for a moment while
+ * it finds room for the new one), so read it under a share lock.
+ */
+static bool
+store_locked_by_other(TupleTableSlot *slot)
+{
+	BufferHeapTupleTableSlot *bslot = (BufferHeapTupleTableSlot *) slot;
+	HeapTupleHeader tup;
+	uint16		infomask;
+	TransactionId xmax;
+
+	Assert(TTS_IS_BUFFERTUPLE(slot));
+	tup = bslot->base.tuple->t_data;
+	if (BufferIsValid(bslot->buffer))
+		LockBuffer(bslot->buffer, BUFFER_LOCK_SHARE);
+	infomask = tup->t_infomask;
+	xmax = HeapTupleHeaderGetRawXmax(tup);
+	if (BufferIsValid(bslot->buffer))
+		LockBuffer(bslot->buffer, BUFFER_LOCK_UNLOCK);
+	return store_xmax_locks_other(infomask, xmax);
 }
 
 /* Record the probed tuple version in *row. */
@@ -442,7 +465,7 @@ store_take_tuple(TupleTableSlot *slot, bool want_body, IdemRow *row)
 
 	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
 	row->found = true;
-	row->locked = store_locked_by_other(tuple->t_data);
+	row->locked = store_locked_by_other(slot);
 	row->tid = tuple->t_self;
 	row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
 	row->mine = TransactionIdIsCurrentTransactionId(row->xmin);
@@ -1180,7 +1203,8 @@ store_locked_only_by_me(Relation heap, ItemPointer tid)
 
 		mine = !(tup->t_infomask & HEAP_XMAX_INVALID) &&
 			HEAP_XMAX_IS_LOCKED_ONLY(tup->t_infomask) &&
-			!store_locked_by_other(tup);
+			!store_xmax_locks_other(tup->t_infomask,
+									HeapTupleHeaderGetRawXmax(tup));
 	}
 	UnlockReleaseBuffer(buf);
 	return mine;
@@ -1207,6 +1231,7 @@ store_sweep_delete_direct(Relation heap, ItemPointerData *tids, int n)
 		TM_FailureData tmfd;
 		TM_Result	result;
 
+		CHECK_FOR_INTERRUPTS();
 		result = table_tuple_delete(heap, &tids[i], cid, InvalidSnapshot,
 									InvalidSnapshot, false, &tmfd, false);
 		if (result == TM_BeingModified &&
@@ -1307,6 +1332,8 @@ idem_store_sweep_candidates(TimestampTz now, int limit,
 	index_rescan(scan, &skey, 1, NULL, 0);
 	while (n < limit && index_getnext_slot(scan, ForwardScanDirection, slot))
 	{
+		/* A backlog can be millions of keys: stay cancellable. */
+		CHECK_FOR_INTERRUPTS();
 		if (n == alloc)
 		{
 			alloc = Min((int64) alloc * 2, (int64) limit);

@@ -41,10 +41,10 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 			TimestampTz now, int batch, int64 *expired, int64 *reset)
 {
 	uint64		locked[SWEEP_CHUNK];
-	ItemPointerData work[3][SWEEP_CHUNK];
-	uint64		work_hash[3][SWEEP_CHUNK];
-	int			nwork[3] = {0, 0, 0};
-	int			done[3];
+	ItemPointerData work[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
+	uint64		work_hash[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
+	int			nwork[IDEM_SWEEP_NKINDS] = {0};
+	int			done[IDEM_SWEEP_NKINDS];
 	int			nlocked = 0;
 	IdemFetch	fetch;
 
@@ -88,7 +88,7 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 
 	idem_store_fetch_end(&fetch);
 
-	for (int kind = 0; kind < 3; kind++)
+	for (int kind = 0; kind < IDEM_SWEEP_NKINDS; kind++)
 	{
 		done[kind] = idem_store_sweep_apply((IdemSweepWork) kind, work[kind],
 											nwork[kind], now);
@@ -101,7 +101,8 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 
 	*expired += done[IDEM_SWEEP_DELETE];
 	*reset += done[IDEM_SWEEP_RESET];
-	return done[0] + done[1] + done[2];
+	return done[IDEM_SWEEP_DELETE] + done[IDEM_SWEEP_RESET] +
+		done[IDEM_SWEEP_RESCHEDULE];
 }
 
 /*
@@ -146,9 +147,13 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 		MemoryContextSwitchTo(old);
 		for (int i = 0; i < n && *expired < batch && *reset < batch;
 			 i += SWEEP_CHUNK)
+		{
+			CHECK_FOR_INTERRUPTS();
 			progress += sweep_chunk(&tids[i], &scopes[i], &keys[i],
 									Min(SWEEP_CHUNK, n - i), now, batch,
 									expired, reset);
+			IDEM_PAUSE("sweep-chunk-done");
+		}
 		more = (n == limit && progress > 0);
 		if (!more || *expired >= batch || *reset >= batch)
 			break;

@@ -79,10 +79,17 @@ typedef enum VisitResult
 	VISIT_FAILED				/* an error stopped it; see message */
 } VisitResult;
 
-/* Report of the current visit, written by the sweeper, read by the launcher. */
+/*
+ * Report of the current visit, written by the sweeper, read by the launcher.
+ * "visit" numbers the launcher's visits; a sweeper reports only while the
+ * slot still belongs to its own visit, so that a sweeper that outlived its
+ * launcher (one terminated while the sweeper waited for a lock) cannot
+ * overwrite the report of a later visit.
+ */
 typedef struct WorkerShared
 {
 	slock_t		mutex;
+	uint64		visit;
 	Oid			dbid;
 	VisitResult result;
 	char		message[256];
@@ -146,21 +153,37 @@ idem_worker_shmem_startup(void)
 	if (!found)
 	{
 		SpinLockInit(&worker_shared->mutex);
+		worker_shared->visit = 0;
 		worker_shared->dbid = InvalidOid;
 		worker_shared->result = VISIT_NONE;
 		worker_shared->message[0] = '\0';
 	}
 }
 
-/* The sweeper's report on its visit. */
+/* The visit this sweeper was started for (from its bgw_extra). */
+static uint64
+worker_my_visit(void)
+{
+	uint64		visit;
+
+	memcpy(&visit, MyBgworkerEntry->bgw_extra, sizeof(visit));
+	return visit;
+}
+
+/* The sweeper's report on its visit, unless a later visit owns the slot. */
 static void
 worker_report(VisitResult result, const char *message)
 {
+	uint64		visit = worker_my_visit();
+
 	SpinLockAcquire(&worker_shared->mutex);
-	worker_shared->dbid = MyDatabaseId;
-	worker_shared->result = result;
-	strlcpy(worker_shared->message, message ? message : "",
-			sizeof(worker_shared->message));
+	if (worker_shared->visit == visit)
+	{
+		worker_shared->dbid = MyDatabaseId;
+		worker_shared->result = result;
+		strlcpy(worker_shared->message, message ? message : "",
+				sizeof(worker_shared->message));
+	}
 	SpinLockRelease(&worker_shared->mutex);
 }
 
@@ -420,6 +443,7 @@ launcher_visit(DbEntry *db)
 	DbTrack    *track = launcher_track(db->oid);
 	VisitResult result;
 	char		message[256];
+	uint64		visit;
 	TimestampTz now = GetCurrentTimestamp();
 
 	if (track->next_try > now)
@@ -440,10 +464,12 @@ launcher_visit(DbEntry *db)
 	worker.bgw_notify_pid = MyProcPid;
 
 	SpinLockAcquire(&worker_shared->mutex);
+	visit = ++worker_shared->visit;
 	worker_shared->dbid = db->oid;
 	worker_shared->result = VISIT_NONE;
 	worker_shared->message[0] = '\0';
 	SpinLockRelease(&worker_shared->mutex);
+	memcpy(worker.bgw_extra, &visit, sizeof(visit));
 
 	if (!RegisterDynamicBackgroundWorker(&worker, &handle))
 	{
