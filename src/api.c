@@ -5,9 +5,9 @@
  *	  idem_release, idem_lookup, idem_sweep.
  *
  * Owns argument checking (every bad input is an ERROR with its own
- * SQLSTATE, raised before anything is read or written), the outcome rules
- * of SPEC.md, the wait loop, the result rows and the counters.  Reads and
- * writes go through store.c.
+ * SQLSTATE, raised before anything is read or written), the outcome rules,
+ * the wait loop, the result rows and the counters.  Reads and writes go
+ * through store.c.
  *
  * The claim protocol, in short: a lock-free probe of the newest row
  * answers replay, mismatch and in_progress without writing or locking
@@ -51,7 +51,7 @@ PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_lookup);
 PG_FUNCTION_INFO_V1(idem_sweep);
 
-/* Without preloading, a waiter polls this often (SPEC: at most 10 ms). */
+/* Without preloading, a waiter polls this often (the documented bound). */
 #define WAIT_POLL_MS			10
 /* With preloading, a safety net in case a wake-up is lost (2PC). */
 #define WAIT_SAFETY_MS			1000
@@ -63,6 +63,10 @@ PG_FUNCTION_INFO_V1(idem_sweep);
 								 DAYS_PER_MONTH * USECS_PER_DAY)
 /* The longest wait: a hundred years is as good as forever. */
 #define WAIT_MAX_US				(INT64CONST(100) * 365 * USECS_PER_DAY)
+
+/* Columns of idem_claim's and idem_lookup's result rows. */
+#define CLAIM_RESULT_COLS		7
+#define LOOKUP_RESULT_COLS		7
 
 typedef enum ClaimOutcome
 {
@@ -89,7 +93,6 @@ outcome_name(ClaimOutcome outcome)
 	}
 	pg_unreachable();
 }
-static const char *const status_names[] = {"pending", "succeeded", "failed"};
 
 /* What a claim needs to know about its arguments. */
 typedef struct ClaimArgs
@@ -274,17 +277,18 @@ arg_wait(FunctionCallInfo fcinfo, int argno)
 static IdemStatus
 arg_status(FunctionCallInfo fcinfo, int argno)
 {
-	char	   *s;
+	text	   *s;
+	IdemStatus	status;
 
 	arg_not_null(fcinfo, argno, "status");
-	s = text_to_cstring(PG_GETARG_TEXT_PP(argno));
-	if (strcmp(s, "succeeded") == 0)
-		return IDEM_SUCCEEDED;
-	if (strcmp(s, "failed") == 0)
-		return IDEM_FAILED;
+	s = PG_GETARG_TEXT_PP(argno);
+	/* A finish stores a final status; "pending" is not one. */
+	if (idem_status_parse(VARDATA_ANY(s), VARSIZE_ANY_EXHDR(s), &status) &&
+		status != IDEM_PENDING)
+		return status;
 	ereport(ERROR,
 			(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-			 errmsg("invalid status \"%s\"", s),
+			 errmsg("invalid status \"%s\"", text_to_cstring(s)),
 			 errhint("A finished key has status \"succeeded\" or \"failed\".")));
 	pg_unreachable();
 }
@@ -363,18 +367,27 @@ fingerprint_matches(const ClaimArgs *args, const IdemRow *row)
 }
 
 /*
+ * Answer in_progress with retry_after 1: another transaction or backend is
+ * changing the key right now, and its outcome is unknown.
+ */
+static ClaimAction
+claim_answer_busy(ClaimResult *res)
+{
+	memset(res, 0, sizeof(ClaimResult));
+	res->outcome = OUTCOME_IN_PROGRESS;
+	res->retry_after = 1;
+	res->busy = true;
+	return ACTION_ANSWER;
+}
+
+/*
  * A claim that must write a row another transaction holds a row lock on
  * would wait for it: answer in_progress instead.
  */
 static ClaimAction
 claim_write_action(const IdemRow *row, ClaimAction action, ClaimResult *res)
 {
-	if (!row->locked)
-		return action;
-	res->outcome = OUTCOME_IN_PROGRESS;
-	res->retry_after = 1;
-	res->busy = true;
-	return ACTION_ANSWER;
+	return row->locked ? claim_answer_busy(res) : action;
 }
 
 /*
@@ -385,15 +398,10 @@ static ClaimAction
 claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 			 ClaimResult *res)
 {
-	memset(res, 0, sizeof(ClaimResult));
+	/* Another transaction's uncommitted change: never answer from it. */
 	if (row->busy)
-	{
-		/* Another transaction's uncommitted change: never answer from it. */
-		res->outcome = OUTCOME_IN_PROGRESS;
-		res->retry_after = 1;
-		res->busy = true;
-		return ACTION_ANSWER;
-	}
+		return claim_answer_busy(res);
+	memset(res, 0, sizeof(ClaimResult));
 	if (!row->found || row->expires_at <= now)
 		return claim_write_action(row, ACTION_FRESH, res);
 	if (!fingerprint_matches(args, row))
@@ -440,13 +448,10 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	if (claim_decide(args, &row, now, res) == ACTION_ANSWER)
 		return;
 
+	/* Another backend is in this key's critical section right now. */
 	if (!idem_store_lock(args->hash, false))
 	{
-		/* Another backend is in this key's critical section right now. */
-		memset(res, 0, sizeof(ClaimResult));
-		res->outcome = OUTCOME_IN_PROGRESS;
-		res->retry_after = 1;
-		res->busy = true;
+		(void) claim_answer_busy(res);
 		return;
 	}
 
@@ -465,7 +470,6 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	{
 		TimestampTz lease_until;
 		TimestampTz expires_at;
-		IdemStoreSection section;
 		Interval   *lease;
 		Interval   *retention;
 		int64		token;
@@ -479,7 +483,6 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 		expires_at = Max(add_interval(now, retention), lease_until);
 		token = idem_store_next_token();
 
-		idem_store_begin(&section);
 		if (!row.found)
 			idem_store_insert_claim(args->scope, args->key, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
@@ -490,7 +493,6 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 									args->has_fingerprint ? args->fingerprint : NULL,
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention);
-		idem_store_end(&section);
 		idem_wait_wrote(args->hash);
 
 		res->outcome = OUTCOME_CLAIMED;
@@ -611,9 +613,10 @@ idem_claim(PG_FUNCTION_ARGS)
 	ClaimArgs	args;
 	ClaimResult res;
 	int64		wait_us;
-	Datum		values[7];
-	bool		nulls[7] = {true, true, true, true, true, true, true};
+	Datum		values[CLAIM_RESULT_COLS];
+	bool		nulls[CLAIM_RESULT_COLS];
 
+	memset(nulls, true, sizeof(nulls));
 	args.key = arg_name(fcinfo, 0, "key", false);
 	args.scope = arg_name(fcinfo, 2, "scope", true);
 	args.lease = arg_interval(fcinfo, 3);
@@ -643,7 +646,7 @@ idem_claim(PG_FUNCTION_ARGS)
 			nulls[1] = nulls[2] = false;
 			break;
 		case OUTCOME_REPLAY:
-			values[3] = CStringGetTextDatum(status_names[res.status]);
+			values[3] = CStringGetTextDatum(idem_status_names[res.status]);
 			nulls[3] = false;
 			if (res.has_response_code)
 			{
@@ -732,7 +735,7 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 						key_display(scope, key)),
 				 call == CALL_FINISH ?
 				 errdetail("Another attempt stored its result.") :
-				 errdetail("Its status is \"%s\".", status_names[row->status])));
+				 errdetail("Its status is \"%s\".", idem_status_names[row->status])));
 	}
 	if (!row->has_token || row->token != token)
 		ereport(ERROR,
@@ -745,6 +748,17 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 				 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
 	idem_store_check_snapshot(row);
 	return true;
+}
+
+/*
+ * End a token holder's call that wrote the key: count the write and let the
+ * key's lock go.
+ */
+static void
+token_call_end(uint64 hash)
+{
+	idem_wait_wrote(hash);
+	idem_store_unlock(hash);
 }
 
 /*
@@ -764,7 +778,6 @@ idem_finish(PG_FUNCTION_ARGS)
 	TimestampTz expires_at;
 	uint64		hash;
 	IdemRow		row;
-	IdemStoreSection section;
 
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
@@ -784,13 +797,10 @@ idem_finish(PG_FUNCTION_ARGS)
 	}
 
 	expires_at = add_interval(now, retention ? retention : &row.retention);
-	idem_store_begin(&section);
 	idem_store_finish(&row, status, !PG_ARGISNULL(2),
 					  PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2), body, now,
 					  expires_at);
-	idem_store_end(&section);
-	idem_wait_wrote(hash);
-	idem_store_unlock(hash);
+	token_call_end(hash);
 	idem_stats_count(IDEM_STAT_FINISHES, 1);
 
 	PG_RETURN_TIMESTAMPTZ(expires_at);
@@ -809,7 +819,6 @@ idem_extend(PG_FUNCTION_ARGS)
 	TimestampTz expires_at;
 	uint64		hash;
 	IdemRow		row;
-	IdemStoreSection section;
 
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
@@ -825,11 +834,8 @@ idem_extend(PG_FUNCTION_ARGS)
 	lease_until = add_interval(now, lease ? lease :
 							   interval_from_ms(idem_lease_ms));
 	expires_at = Max(add_interval(now, &row.retention), lease_until);
-	idem_store_begin(&section);
 	idem_store_extend(&row, lease_until, expires_at);
-	idem_store_end(&section);
-	idem_wait_wrote(hash);
-	idem_store_unlock(hash);
+	token_call_end(hash);
 
 	PG_RETURN_TIMESTAMPTZ(lease_until);
 }
@@ -843,7 +849,6 @@ idem_release(PG_FUNCTION_ARGS)
 	int64		token;
 	uint64		hash;
 	IdemRow		row;
-	IdemStoreSection section;
 
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
@@ -853,11 +858,8 @@ idem_release(PG_FUNCTION_ARGS)
 	hash = idem_key_hash(scope, key);
 	(void) token_call_begin(CALL_RELEASE, scope, key, hash, token, &row,
 							GetCurrentTimestamp());
-	idem_store_begin(&section);
 	idem_store_delete(&row);
-	idem_store_end(&section);
-	idem_wait_wrote(hash);
-	idem_store_unlock(hash);
+	token_call_end(hash);
 	idem_stats_count(IDEM_STAT_RELEASES, 1);
 
 	PG_RETURN_VOID();
@@ -880,8 +882,8 @@ idem_lookup(PG_FUNCTION_ARGS)
 	text	   *key = arg_name(fcinfo, 0, "key", false);
 	text	   *scope = arg_name(fcinfo, 1, "scope", true);
 	IdemRow		row;
-	Datum		values[7];
-	bool		nulls[7] = {0};
+	Datum		values[LOOKUP_RESULT_COLS];
+	bool		nulls[LOOKUP_RESULT_COLS] = {0};
 
 	idem_tenant_check(scope);
 	result_init(fcinfo);
@@ -889,7 +891,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 	if (!row.found || row.expires_at <= GetCurrentTimestamp())
 		PG_RETURN_VOID();
 
-	values[0] = CStringGetTextDatum(status_names[row.status]);
+	values[0] = CStringGetTextDatum(idem_status_names[row.status]);
 	values[1] = Int32GetDatum(row.attempt);
 	values[2] = Int32GetDatum(row.response_code);
 	nulls[2] = !row.has_response_code;

@@ -30,7 +30,7 @@
 #include "storage/itemptr.h"
 #include "utils/relcache.h"
 
-/* Limits of the contract (SPEC.md). */
+/* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255
 #define IDEM_FINGERPRINT_LEN	32	/* SHA-256 */
 
@@ -39,8 +39,13 @@ typedef enum IdemStatus
 {
 	IDEM_PENDING,
 	IDEM_SUCCEEDED,
-	IDEM_FAILED
+	IDEM_FAILED,
+	IDEM_NSTATUS
 } IdemStatus;
+
+/* The SQL name of each status (store.c), and the status of a name. */
+extern const char *const idem_status_names[IDEM_NSTATUS];
+extern bool idem_status_parse(const char *name, int len, IdemStatus *status);
 
 /* ---- guc.c ---- */
 extern int	idem_lease_ms;
@@ -206,6 +211,12 @@ extern void idem_wait_wrote(uint64 hash);
 extern bool idem_wait_write_count(uint64 hash, uint64 *count);
 
 /* ---- stats.c ---- */
+
+/*
+ * The counters, in the order of the columns of idempotency.stats_counters()
+ * after the database, and so of the idempotency.stats view: a new counter
+ * goes at the end, with the column added in a new extension version.
+ */
 typedef enum IdemCounter
 {
 	IDEM_STAT_CLAIMS,

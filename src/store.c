@@ -119,12 +119,15 @@ typedef enum StorePlan
 	NUM_PLANS
 } StorePlan;
 
+/* The most parameters a prepared write takes (the claim's insert). */
+#define PLAN_MAX_ARGS			8
+
 typedef struct StorePlanDef
 {
 	const char *sql;
 	int			nargs;
-	Oid			argtypes[8];
-	AttrNumber	params[8];		/* column of each $n (0: the row's ctid) */
+	Oid			argtypes[PLAN_MAX_ARGS];
+	AttrNumber	params[PLAN_MAX_ARGS];	/* column of each $n (0: the row's ctid) */
 } StorePlanDef;
 
 static const StorePlanDef plan_defs[NUM_PLANS] = {
@@ -193,7 +196,27 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 
 static SPIPlanPtr plans[NUM_PLANS];
 
-static const char *const status_names[] = {"pending", "succeeded", "failed"};
+const char *const idem_status_names[IDEM_NSTATUS] = {
+	[IDEM_PENDING] = "pending",
+	[IDEM_SUCCEEDED] = "succeeded",
+	[IDEM_FAILED] = "failed",
+};
+
+/* Set *status to the status named by the "len" bytes at "name"; false if none. */
+bool
+idem_status_parse(const char *name, int len, IdemStatus *status)
+{
+	for (int i = 0; i < IDEM_NSTATUS; i++)
+	{
+		if (strlen(idem_status_names[i]) == (size_t) len &&
+			memcmp(idem_status_names[i], name, len) == 0)
+		{
+			*status = (IdemStatus) i;
+			return true;
+		}
+	}
+	return false;
+}
 
 /* Forget cached relation OIDs when any of our relations changes. */
 static void
@@ -373,15 +396,20 @@ store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
 {
 	Datum	   *v;
 	bool	   *n;
-	const char *status;
+	text	   *status;
 
 	slot_getallattrs(slot);
 	v = slot->tts_values;
 	n = slot->tts_isnull;
 
-	status = VARDATA_ANY(DatumGetPointer(v[COL_STATUS - 1]));
-	row->status = status[0] == 'p' ? IDEM_PENDING :
-		status[0] == 's' ? IDEM_SUCCEEDED : IDEM_FAILED;
+	status = DatumGetTextPP(v[COL_STATUS - 1]);
+	if (!idem_status_parse(VARDATA_ANY(status), VARSIZE_ANY_EXHDR(status),
+						   &row->status))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATA_CORRUPTED),
+				 errmsg("idempotency key has an unknown status \"%s\"",
+						text_to_cstring(status)),
+				 errhint("Someone changed idempotency.keys outside the extension's functions.")));
 	row->has_token = !n[COL_TOKEN - 1];
 	row->token = row->has_token ? DatumGetInt64(v[COL_TOKEN - 1]) : 0;
 	row->attempt = DatumGetInt32(v[COL_ATTEMPT - 1]);
@@ -391,8 +419,11 @@ store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
 		bytea	   *fp = DatumGetByteaPP(v[COL_FINGERPRINT - 1]);
 
 		if (VARSIZE_ANY_EXHDR(fp) != IDEM_FINGERPRINT_LEN)
-			elog(ERROR, "stored fingerprint has length %d",
-				 (int) VARSIZE_ANY_EXHDR(fp));
+			ereport(ERROR,
+					(errcode(ERRCODE_DATA_CORRUPTED),
+					 errmsg("idempotency key has a fingerprint of %d bytes, expected %d",
+							(int) VARSIZE_ANY_EXHDR(fp), IDEM_FINGERPRINT_LEN),
+					 errhint("Someone changed idempotency.keys outside the extension's functions.")));
 		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
 	}
 	row->has_response_code = !n[COL_RESPONSE_CODE - 1];
@@ -789,7 +820,7 @@ store_execute(SPIPlanPtr plan, Datum *values, const char *nulls)
  * concurrent change (a serialization failure); otherwise it cannot happen.
  */
 static void
-store_vanished(void)
+store_raise_vanished(void)
 {
 	if (IsolationUsesXactSnapshot())
 		ereport(ERROR,
@@ -855,8 +886,8 @@ store_write(StorePlan which, const ItemPointerData *tid,
 			const StoreChange *change, int ok_rc)
 {
 	const StorePlanDef *def = &plan_defs[which];
-	Datum		values[8];
-	char		nulls[8];
+	Datum		values[PLAN_MAX_ARGS];
+	char		nulls[PLAN_MAX_ARGS];
 	int			rc;
 
 	for (int i = 0; i < def->nargs; i++)
@@ -871,18 +902,18 @@ store_write(StorePlan which, const ItemPointerData *tid,
 		elog(ERROR, "idempotency statement failed: %s",
 			 SPI_result_code_string(rc));
 	if (SPI_processed != 1)
-		store_vanished();
+		store_raise_vanished();
 }
 
 /*
  * Direct writes.  A claim's insert and the updates of claim, finish and
  * extend skip SPI and the executor's per-statement start-up, which was most
- * of their CPU time (bench/profile 1): the row is formed here, checked
+ * of their CPU time: the row is formed here, checked
  * against the table's NOT NULL and CHECK constraints, written through the
  * table AM and entered into every index of the table (a user's own index
  * too), the way logical replication applies rows.  Only for a table as the
  * extension creates it, without triggers, rules, row security or generated
- * columns; otherwise, and before PostgreSQL 14, the prepared statements run,
+ * columns; otherwise the prepared statements run,
  * so that whatever a user attached to the table still fires.
  */
 typedef struct StoreDirect
@@ -912,7 +943,6 @@ store_direct_ok(Relation heap)
 static bool
 store_direct_begin(StoreDirect *direct)
 {
-#if PG_VERSION_NUM >= 140000
 	Relation	heap = table_open(rels.keys, RowExclusiveLock);
 	MemoryContext old;
 
@@ -937,12 +967,8 @@ store_direct_begin(StoreDirect *direct)
 										  table_slot_callbacks(heap));
 	MemoryContextSwitchTo(old);
 	return true;
-#else
-	return false;
-#endif
 }
 
-#if PG_VERSION_NUM >= 140000
 /*
  * Enter the row in the slot into the table's indexes after the table AM
  * wrote it (an update calls this only when it was not a HOT update).
@@ -1002,7 +1028,7 @@ store_direct_update(StoreDirect *direct, const ItemPointerData *tid,
 	/* A publication that publishes updates needs the replica identity. */
 	CheckCmdReplicaIdentity(direct->heap, CMD_UPDATE);
 	if (!table_tuple_fetch_row_version(direct->heap, &otid, SnapshotAny, old))
-		store_vanished();
+		store_raise_vanished();
 	ExecMaterializeSlot(old);	/* its copy lives until store_direct_end */
 	slot_getallattrs(old);
 	MemoryContextSwitchTo(caller);
@@ -1027,7 +1053,7 @@ store_direct_update(StoreDirect *direct, const ItemPointerData *tid,
 								InvalidSnapshot, true, &tmfd, &lockmode,
 								&update_indexes);
 	if (result == TM_Updated || result == TM_Deleted)
-		store_vanished();
+		store_raise_vanished();
 	if (result != TM_Ok)
 		elog(ERROR, "unexpected result %d updating an idempotency key",
 			 (int) result);
@@ -1039,7 +1065,6 @@ store_direct_update(StoreDirect *direct, const ItemPointerData *tid,
 		store_direct_index(direct, true, false);
 #endif
 }
-#endif
 
 /* End a direct write; the next command sees it, as after a statement. */
 static void
@@ -1053,29 +1078,32 @@ store_direct_end(StoreDirect *direct)
 }
 
 /*
- * Write "change": insert it as a new row (tid NULL) or apply it to the row
- * version at "tid", directly when the table allows, else with the prepared
- * statement "which".
+ * Write "change" in a store section of its own: insert it as a new row (tid
+ * NULL), delete the row version at "tid" (PLAN_DELETE), or apply it to that
+ * version, directly when the table allows, else with the prepared statement
+ * "which".
  */
 static void
 store_apply(StorePlan which, const ItemPointerData *tid,
 			const StoreChange *change)
 {
+	IdemStoreSection section;
 	StoreDirect direct;
 
-	if (store_direct_begin(&direct))
+	idem_store_begin(&section);
+	if (which != PLAN_DELETE && store_direct_begin(&direct))
 	{
-#if PG_VERSION_NUM >= 140000
 		if (tid == NULL)
 			store_direct_insert(&direct, change);
 		else
 			store_direct_update(&direct, tid, change);
-#endif
 		store_direct_end(&direct);
-		return;
 	}
-	store_write(which, tid, change,
-				tid == NULL ? SPI_OK_INSERT : SPI_OK_UPDATE);
+	else
+		store_write(which, tid, change,
+					which == PLAN_DELETE ? SPI_OK_DELETE :
+					tid == NULL ? SPI_OK_INSERT : SPI_OK_UPDATE);
+	idem_store_end(&section);
 }
 
 /* The columns of a new pending attempt, whether inserted or taking a row over. */
@@ -1086,7 +1114,7 @@ change_pending(StoreChange *change, int64 token, int32 attempt,
 			   Interval *retention)
 {
 	memset(change, 0, sizeof(StoreChange));
-	change_set(change, COL_STATUS, CStringGetTextDatum("pending"));
+	change_set(change, COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
 	change_set(change, COL_TOKEN, Int64GetDatum(token));
 	change_set(change, COL_ATTEMPT, Int32GetDatum(attempt));
 	change_fingerprint(change, fingerprint);
@@ -1142,7 +1170,7 @@ idem_store_finish(const IdemRow *row, IdemStatus status, bool has_code,
 	StoreChange change;
 
 	memset(&change, 0, sizeof(change));
-	change_set(&change, COL_STATUS, CStringGetTextDatum(status_names[status]));
+	change_set(&change, COL_STATUS, CStringGetTextDatum(idem_status_names[status]));
 	if (has_code)
 		change_set(&change, COL_RESPONSE_CODE, Int32GetDatum(code));
 	else
@@ -1178,7 +1206,7 @@ idem_store_delete(const IdemRow *row)
 	StoreChange change;
 
 	memset(&change, 0, sizeof(change));
-	store_write(PLAN_DELETE, &row->tid, &change, SPI_OK_DELETE);
+	store_apply(PLAN_DELETE, &row->tid, &change);
 }
 
 /*
@@ -1290,7 +1318,7 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 		elog(ERROR, "idempotency sweep statement failed: %s",
 			 SPI_result_code_string(rc));
 	if (SPI_processed != (uint64) n)
-		store_vanished();
+		store_raise_vanished();
 	return n;
 }
 

@@ -63,8 +63,16 @@
 #define SWEEPER_MAX_FETCHES		16
 /* Pause between rounds while some database still has work. */
 #define MORE_WORK_PAUSE_MS		100
-/* Longest back-off of a database whose sweep keeps failing. */
+/*
+ * Back-off of a database whose sweep keeps failing: the interval (at least
+ * BACKOFF_FLOOR_MS, so that a tiny interval still backs off), doubled per
+ * failure up to BACKOFF_MAX_DOUBLINGS times, and never above MAX_BACKOFF_MS.
+ */
+#define BACKOFF_FLOOR_MS		1000
+#define BACKOFF_MAX_DOUBLINGS	12
 #define MAX_BACKOFF_MS			(60 * 60 * 1000)
+/* Room for the first line of a sweeper's error in its report. */
+#define REPORT_MESSAGE_LEN		256
 /* Databases the launcher remembers failures of. */
 #define MAX_TRACKED_DBS			1024
 /* How often the launcher looks at its settings while sweeping is off. */
@@ -92,7 +100,7 @@ typedef struct WorkerShared
 	uint64		visit;
 	Oid			dbid;
 	VisitResult result;
-	char		message[256];
+	char		message[REPORT_MESSAGE_LEN];
 } WorkerShared;
 
 static WorkerShared *worker_shared = NULL;
@@ -103,7 +111,8 @@ typedef struct DbTrack
 	Oid			dbid;
 	int			failures;
 	TimestampTz next_try;
-	char		last_message[256];
+	bool		warned_no_slot; /* "no worker slot" logged since last visit */
+	char		last_message[REPORT_MESSAGE_LEN];
 } DbTrack;
 
 static DbTrack tracked[MAX_TRACKED_DBS];
@@ -231,7 +240,7 @@ sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 }
 
 /* Shared with the launcher, defined with it below. */
-static bool launcher_database_ok(Oid dbid);
+static bool database_visitable(Oid dbid);
 
 /*
  * Main of a sweeper: sweep the database given as argument, batch after
@@ -261,7 +270,7 @@ idem_sweeper_main(Datum arg)
 	 */
 	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid,
 											  BGWORKER_BYPASS_ALLOWCONN);
-	if (!launcher_database_ok(dbid))
+	if (!database_visitable(dbid))
 		proc_exit(0);
 
 	/*
@@ -350,7 +359,7 @@ typedef struct DbEntry
  * half-dropped (DATCONNLIMIT_INVALID_DB, -2)?
  */
 static bool
-launcher_visitable(Form_pg_database db)
+database_form_visitable(Form_pg_database db)
 {
 	return db->datallowconn && !db->datistemplate && db->datconnlimit != -2;
 }
@@ -377,7 +386,7 @@ launcher_databases(void)
 		DbEntry    *entry;
 		MemoryContext old;
 
-		if (!launcher_visitable(db))
+		if (!database_form_visitable(db))
 			continue;
 		old = MemoryContextSwitchTo(outer);
 		entry = palloc(sizeof(DbEntry));
@@ -397,7 +406,7 @@ launcher_databases(void)
  * dropped between the launcher's listing and its visit.
  */
 static bool
-launcher_database_ok(Oid dbid)
+database_visitable(Oid dbid)
 {
 	HeapTuple	tup;
 	bool		ok = false;
@@ -408,7 +417,7 @@ launcher_database_ok(Oid dbid)
 	{
 		Form_pg_database db = (Form_pg_database) GETSTRUCT(tup);
 
-		ok = launcher_visitable(db);
+		ok = database_form_visitable(db);
 		ReleaseSysCache(tup);
 	}
 	CommitTransactionCommand();
@@ -442,13 +451,13 @@ launcher_visit(DbEntry *db)
 	pid_t		pid;
 	DbTrack    *track = launcher_track(db->oid);
 	VisitResult result;
-	char		message[256];
+	char		message[REPORT_MESSAGE_LEN];
 	uint64		visit;
 	TimestampTz now = GetCurrentTimestamp();
 
 	if (track->next_try > now)
 		return false;			/* backing off after failures */
-	if (!launcher_database_ok(db->oid))
+	if (!database_visitable(db->oid))
 		return false;			/* dropped since the listing */
 
 	memset(&worker, 0, sizeof(worker));
@@ -473,13 +482,12 @@ launcher_visit(DbEntry *db)
 
 	if (!RegisterDynamicBackgroundWorker(&worker, &handle))
 	{
-		if (strcmp(track->last_message, "no worker slot") != 0)
+		if (!track->warned_no_slot)
 			ereport(LOG,
 					(errmsg("idempotency launcher could not start a sweeper for database \"%s\"",
 							db->name),
 					 errhint("Raise max_worker_processes.")));
-		strlcpy(track->last_message, "no worker slot",
-				sizeof(track->last_message));
+		track->warned_no_slot = true;
 		return false;
 	}
 	status = WaitForBackgroundWorkerStartup(handle, &pid);
@@ -488,6 +496,7 @@ launcher_visit(DbEntry *db)
 	if (status == BGWH_POSTMASTER_DIED)
 		proc_exit(1);
 	pfree(handle);
+	track->warned_no_slot = false;
 
 	SpinLockAcquire(&worker_shared->mutex);
 	result = worker_shared->result;
@@ -495,7 +504,7 @@ launcher_visit(DbEntry *db)
 	SpinLockRelease(&worker_shared->mutex);
 
 	if ((result == VISIT_NONE || result == VISIT_FAILED) &&
-		!launcher_database_ok(db->oid))
+		!database_visitable(db->oid))
 		return false;			/* dropped during the visit: no failure */
 	if (result == VISIT_NONE || result == VISIT_FAILED)
 	{
@@ -510,9 +519,9 @@ launcher_visit(DbEntry *db)
 							db->name, message),
 					 errdetail("The launcher retries later; this message is not repeated while the cause stays the same.")));
 		strlcpy(track->last_message, message, sizeof(track->last_message));
-		track->failures = Min(track->failures + 1, 20);
-		backoff = Min((int64) Max(idem_sweep_interval_ms, 1000) <<
-					  Min(track->failures, 12), (int64) MAX_BACKOFF_MS);
+		track->failures = Min(track->failures + 1, BACKOFF_MAX_DOUBLINGS);
+		backoff = Min((int64) Max(idem_sweep_interval_ms, BACKOFF_FLOOR_MS) <<
+					  track->failures, (int64) MAX_BACKOFF_MS);
 		track->next_try = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
 													  backoff);
 		return false;
