@@ -144,7 +144,7 @@ tenant_load(void)
 			TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-					 errmsg("table \"idempotency.scope_bindings\" does not have the expected columns"),
+					 errmsg("table \"idempotency.scope_bindings\" is not as extension \"idempotency\" created it"),
 					 errhint("Someone replaced the extension's objects; reinstall the extension.")));
 		snapshot = RegisterSnapshot(GetLatestSnapshot());
 		slot = table_slot_create(rel, NULL);
