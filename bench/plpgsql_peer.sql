@@ -1,5 +1,5 @@
 /*
- * bench/plpgsql_peer.sql: the contract of SPEC.md written in PL/pgSQL, as a
+ * bench/plpgsql_peer.sql: the extension's contract written in PL/pgSQL, as a
  * careful user would write it instead of installing the extension.  It is
  * row 6 (and the peer of rows 9 and 10) of the benchmark, so it is written
  * to be both correct and fast:

@@ -69,6 +69,20 @@ sub wait_rounds
 # Database "postgres" has the extension: its last_sweep_at counts rounds.
 sql('postgres', 'CREATE EXTENSION idempotency');
 
+# Claim key $key in $db with the arguments $claim_args and finish it with
+# the claim's token and the further arguments $finish_args, in one
+# statement.  Returns the claim's row (as claim).  One statement is one
+# transaction: the worker never sees the key pending, so it cannot reset it
+# under its short lease before the finish, however slow the client is.
+sub claim_finished
+{
+	my ($db, $key, $claim_args, $finish_args) = @_;
+	return parse_claim(
+		sql($db,
+			    "SELECT $CLAIM_COLS FROM idempotency.idem_claim('$key', $claim_args) AS c "
+			  . "WHERE idempotency.idem_finish('$key', c.token, $finish_args) IS NOT NULL"));
+}
+
 # Keys of every kind, in one database.  Returns the tokens by key.
 sub populate
 {
@@ -79,28 +93,21 @@ sub populate
 	# Three finished keys whose retention is short: the worker expires them.
 	for my $i (1 .. 3)
 	{
-		$c = claim($node, $db,
-			"'exp-$i', request => '{\"i\": $i}', lease => '1 second', "
-			  . "retention => '1 second'");
-		is($c->{outcome}, 'claimed', "$db: exp-$i claimed");
 		my $status = $i == 3 ? 'failed' : 'succeeded';
-		sql($db,
-			"SELECT idempotency.idem_finish('exp-$i', $c->{token}, 200, '{\"n\": $i}', "
-			  . "status => '$status')");
+		$c = claim_finished($db, "exp-$i",
+			"request => '{\"i\": $i}', lease => '1 second', retention => '1 second'",
+			"200, '{\"n\": $i}', status => '$status'");
+		is($c->{outcome}, 'claimed', "$db: exp-$i claimed");
 	}
 
 	# Retention shorter than the lease it was claimed with, and longer:
 	# both are deleted once past retention (whenever the worker looks).
-	$c = claim($node, $db, "'exp-longlease', lease => '3 seconds'");
+	$c = claim_finished($db, 'exp-longlease', "lease => '3 seconds'",
+		"200, retention => '1 second'");
 	is($c->{outcome}, 'claimed', "$db: exp-longlease claimed");
-	sql($db,
-		"SELECT idempotency.idem_finish('exp-longlease', $c->{token}, 200, "
-		  . "retention => '1 second')");
-	$c = claim($node, $db, "'exp-resched', lease => '1 second'");
+	$c = claim_finished($db, 'exp-resched', "lease => '1 second'",
+		"200, retention => '3 seconds'");
 	is($c->{outcome}, 'claimed', "$db: exp-resched claimed");
-	sql($db,
-		"SELECT idempotency.idem_finish('exp-resched', $c->{token}, 200, "
-		  . "retention => '3 seconds')");
 
 	# A finished key kept for a day: the worker must not touch it.
 	$c = claim($node, $db, "'keep', request => '{\"k\": 1}'");
@@ -158,6 +165,13 @@ sub check_swept
 			  . "WHERE key = 'stale'"),
 		'pending|t|1',
 		"$db: the stale key is pending with no token, attempt 1");
+	# Read before the claims below, whose keys the worker could reset or
+	# expire once their leases end.
+	is( sql($db,
+			"SELECT expired, reset, last_sweep_at IS NOT NULL, last_sweep_ms >= 0 "
+			  . "FROM idempotency.stats WHERE database = current_database()"),
+		'6|1|t|t',
+		"$db: stats count 6 expired and 1 reset; last_sweep_at is set");
 
 	# The worker's reset killed the old token; the next claim takes over.
 	is( sqlstate_of($node, $db,
@@ -173,11 +187,6 @@ sub check_swept
 	is($c->{outcome}, 'claimed', "$db: an expired key can be claimed with another request");
 	is($c->{attempt}, 1,         "$db: ... as attempt 1");
 
-	is( sql($db,
-			"SELECT expired, reset, last_sweep_at IS NOT NULL, last_sweep_ms >= 0 "
-			  . "FROM idempotency.stats WHERE database = current_database()"),
-		'6|1|t|t',
-		"$db: stats count 6 expired and 1 reset; last_sweep_at is set");
 }
 
 # --- Two databases created before the worker's first round over them ---
@@ -227,15 +236,28 @@ for my $db (qw(tmpl noconn))
 	sql('postgres', "CREATE DATABASE $db");
 	sql($db, 'CREATE EXTENSION idempotency');
 }
-# A template from the start; noconn refuses connections right after its
-# claim, while its key is still within retention.
+# tmpl is a template before its key exists.  noconn's key is claimed and
+# finished in a transaction that commits only once noconn refuses
+# connections and every visit of the worker begun before that has ended
+# (two more sweeps of postgres: a whole round lies between them), so no
+# visit ever sees that key.
 sql('postgres', 'ALTER DATABASE tmpl IS_TEMPLATE true');
-for my $db (qw(tmpl noconn))
-{
-	is(finish_key($node, $db, 'exp-1', '2 seconds')->{outcome},
-		'claimed', "$db: exp-1 claimed");
-}
+my $noconn = $node->background_psql('noconn');
+$noconn->query_safe('BEGIN');
+is( parse_claim(
+		$noconn->query_safe(
+			    "SELECT $CLAIM_COLS FROM idempotency.idem_claim('exp-1', "
+			  . "lease => '1 second', retention => '2 seconds') AS c "
+			  . "WHERE idempotency.idem_finish('exp-1', c.token, 200) IS NOT NULL")
+	)->{outcome},
+	'claimed',
+	'noconn: exp-1 claimed');
+is(finish_key($node, 'tmpl', 'exp-1', '2 seconds')->{outcome},
+	'claimed', 'tmpl: exp-1 claimed');
 sql('postgres', 'ALTER DATABASE noconn ALLOW_CONNECTIONS false');
+wait_rounds(2);
+$noconn->query_safe('COMMIT');
+$noconn->quit;
 ok(wait_past_retention($node, 'tmpl', 'exp-1'),
 	'tmpl: exp-1 is past its retention');
 # noconn's key has the same retention and was finished earlier.

@@ -11,7 +11,10 @@
 #    client claims and finishes keys: after restart every finished key that
 #    existed before is intact (same checksum), every finish the client saw
 #    committed is there with its token and response, and the worker goes on
-#    to sweep the rest of the backlog.
+#    to sweep the rest of the backlog.  A session holds row locks on half of
+#    the backlog (the sweeper skips locked rows), so the stop always finds
+#    that half unswept, and an advisory lock the client waits for before its
+#    last key, so the stop always interrupts the client.
 #
 # Run it like the other TAP tests (see the top of t/001_restart.pl).
 
@@ -179,11 +182,31 @@ my $backlog_digest = finished_digest('shop');
 $digest{shop} = sql('shop',
 	$finished_digest_sql . " AND key NOT LIKE 'backlog-%'");
 
+# A session that lives until the stop holds, in one open transaction, an
+# advisory lock the client below waits for before its last key, and a row
+# lock on the backlog keys 4001 to 8000.  The sweeper skips a locked row,
+# and it takes its candidates in sweep_at order (the order in which the
+# backlog was claimed), so it can sweep keys 1 to 4000 and then finds
+# nothing it may touch: at least 4000 backlog keys are left at the stop,
+# however fast the worker is.  The stop ends the session, and with it the
+# locks.
+my $locker = $node->background_psql('shop');
+$locker->query_safe('BEGIN');
+$locker->query_safe('SELECT pg_advisory_xact_lock(103)');
+is( $locker->query_safe(
+		"SELECT count(*) FROM (SELECT 1 FROM idempotency.keys WHERE scope = '' "
+		  . "AND key = ANY (SELECT 'backlog-' || i FROM generate_series(4001, 8000) AS i) "
+		  . "FOR UPDATE) AS l"),
+	'4000', 'shop: a session holds a row lock on backlog keys 4001 to 8000');
+
 # A client claims and finishes keys, one autocommit statement each, and
-# prints a line for each finish it saw committed.
+# prints a line for each finish it saw committed.  Before its last key it
+# waits for the locking session's advisory lock, which is never released
+# before the stop.
 my $load_sql = '';
 for my $i (1 .. 20000)
 {
+	$load_sql .= "SELECT 'waits', pg_advisory_lock(103);\n" if $i == 20000;
 	$load_sql .=
 	    "SELECT 'done', c.token, idempotency.idem_finish('load-$i', c.token, 200, "
 	  . "'{\"load\": $i}') IS NOT NULL FROM idempotency.idem_claim('load-$i', "
@@ -216,8 +239,11 @@ my $left = sql('shop',
 $node->stop('immediate');
 # psql ends with an error; collect everything it printed.
 $load->finish;
+# The locking session died with the server.
+eval { $locker->quit; };
 my @done = $load_out =~ /^done\|(\d+)\|t$/mg;
-cmp_ok($left, '>', 0, "the backlog was being swept ($left keys left)");
+cmp_ok($left, '<', 8000, "the backlog was being swept ($left keys left)");
+cmp_ok($left, '>=', 4000, 'the sweeper left the locked half of the backlog alone');
 cmp_ok(scalar(@done), '>=', 200,
 	scalar(@done) . ' load keys were finished before the stop');
 cmp_ok(scalar(@done), '<', 20000, 'the stop interrupted the client');

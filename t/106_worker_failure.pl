@@ -62,9 +62,17 @@ CREATE TRIGGER audit_key_delete BEFORE DELETE ON idempotency.keys
 EOF
 is(expiring_keys($node, 'fail1', 'k', 3), '3', 'fail1: 3 keys past retention soon');
 
-# fail2: the table renamed away (by a superuser).
-is(expiring_keys($node, 'fail2', 'k', 3), '3', 'fail2: 3 keys past retention soon');
-sql('fail2', 'ALTER TABLE idempotency.keys RENAME TO keys_old');
+# fail2: the table renamed away (by a superuser), in the transaction that
+# makes its keys, so that the worker never sees them before the rename.
+is( sql('fail2',
+		    "BEGIN;\n"
+		  . "SELECT count(*) FROM (SELECT idempotency.idem_finish('k-' || i, c.token, 200) "
+		  . "FROM generate_series(1, 3) AS i, "
+		  . "LATERAL idempotency.idem_claim('k-' || i, lease => '1 second', "
+		  . "retention => '1 second') AS c) AS f;\n"
+		  . "ALTER TABLE idempotency.keys RENAME TO keys_old;\n"
+		  . "COMMIT;"),
+	'3', 'fail2: 3 keys past retention soon');
 
 # Each failed visit rolls back one transaction in its database (nobody
 # else uses fail1 and fail2 while we wait).

@@ -40,11 +40,15 @@ is(on_standby('SELECT pg_is_in_recovery()'), 't', 'the standby is in recovery');
 
 # --- The primary's sweeps replicate ---
 
+# Sweeping is off until the key is seen on the standby: with its 1 second
+# retention the worker could otherwise expire it before it got there.
+stop_sweeping($primary);
 finish_key($primary, 'postgres', 'swept-on-primary', '1 second',
 	q{'{"key": "swept-on-primary"}'});
 $primary->wait_for_catchup($standby);
 is( on_standby("SELECT count(*) FROM idempotency.keys WHERE key = 'swept-on-primary'"),
 	'1', 'the key reached the standby');
+alter_system($primary, 'idempotency.sweep_interval', '200ms');
 ok( $primary->poll_query_until(
 		'postgres',
 		"SELECT count(*) = 0 FROM idempotency.keys WHERE key = 'swept-on-primary'"),

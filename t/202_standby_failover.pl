@@ -93,6 +93,10 @@ $c = claimed(q{'fail-1', request => '{"order": 2}'});
 finish('fail-1', $c->{token}, ", 402, $body{failed}, status => 'failed'");
 
 my $standby = new_standby($primary, 'standby', port => 55446);
+# The primary's worker is off from here on (the standby keeps the setting
+# it was copied with): it would otherwise reset the dead owner's key below
+# once its lease has passed, and the standby checks that key's token.
+stop_sweeping($primary);
 
 # --- keys written while the standby streams --------------------------------
 $c = claimed(q{'order', request => '{"sku": 1}', scope => 't:shop'}, 'tenant');

@@ -37,7 +37,7 @@
 #   - lookups and claims answered replay / in_progress / mismatch write
 #     nothing and draw no token; a claimed outcome's token is the sequence's
 #     new value, larger than every earlier one; every outcome row has the
-#     columns SPEC.md says are filled, and only those;
+#     columns the documented contract fills, and only those;
 #   - afterwards every stored row is well-formed (key 1..255 characters,
 #     scope at most 255, 32-byte fingerprint or NULL, body within the limit,
 #     token not above the sequence, ...) and every live key, however hostile
@@ -432,7 +432,7 @@ note scalar(@cases) . ' cases';
 sub chars_of { return length($_[0]); }
 
 # The SQLSTATE a bad argument must raise, in the order the function checks
-# its arguments (SPEC.md, "Bad input"); undef when every argument is valid.
+# its arguments (the documented bad-input rules); undef when every argument is valid.
 sub name_error
 {
 	my ($v, $allow_empty) = @_;

@@ -77,13 +77,32 @@ sub alter_system
 	$node->safe_psql('postgres', 'SELECT pg_reload_conf()');
 }
 
-# Turn the worker's sweeping off (sweep_interval = 0), and give a round that
-# was under way when the signal came a second to end.
+# Turn the worker's sweeping off (sweep_interval = 0) and return once no
+# sweep can start or be under way any more.  Dies if that does not happen in
+# time.  The wait has two steps:
+#  - until a new session sees the new value.  Sessions start with the
+#    postmaster's settings, and the postmaster signals the launcher right
+#    after it has read the file, so from then on the launcher's next look at
+#    its settings sees 0 (and a launcher started later reads 0 at start);
+#  - then until the launcher is in its nap between rounds (wait event
+#    Extension; a round waits on BgWorkerStartup or BgWorkerShutdown, or
+#    runs) and no sweeper runs.  A round under way when the signal came has
+#    then ended, and the launcher looks at its settings before it could
+#    start another one.  With no launcher running, only the sweeper test
+#    applies.
 sub stop_sweeping
 {
 	my ($node) = @_;
 	alter_system($node, 'idempotency.sweep_interval', '0');
-	sleep(1);
+	$node->poll_query_until('postgres',
+		"SELECT current_setting('idempotency.sweep_interval') = '0'")
+	  or die "the server did not load idempotency.sweep_interval = 0";
+	$node->poll_query_until('postgres',
+		    "SELECT count(*) FILTER (WHERE backend_type = 'idempotency sweeper') = 0 "
+		  . "AND bool_and(wait_event IS NOT DISTINCT FROM 'Extension') "
+		  . "FILTER (WHERE backend_type = 'idempotency launcher') IS NOT FALSE "
+		  . "FROM pg_stat_activity")
+	  or die "the idempotency worker did not stop sweeping";
 }
 
 # --- SQL and its SQLSTATE --------------------------------------------------------
@@ -199,15 +218,19 @@ sub stored_row
 # Claim $key (default scope) with a 1 second lease and finish it at once
 # with code 200 and the response $body (an SQL jsonb expression; none when
 # undef), to be kept for $retention.  Returns the claim's row (as claim).
+# Claim and finish are one statement, so one transaction: nobody ever sees
+# the key pending, and the worker cannot reset it under its short lease
+# before the finish, however long the client takes between the two.
 sub finish_key
 {
 	my ($node, $db, $key, $retention, $body) = @_;
-	my $c = claim($node, $db,
-		"'$key', lease => '1 second', retention => '$retention'");
-	$node->safe_psql($db,
-		"SELECT idempotency.idem_finish('$key', $c->{token}, 200"
-		  . (defined $body ? ", $body" : '') . ")");
-	return $c;
+	return parse_claim(
+		$node->safe_psql($db,
+			    "SELECT $CLAIM_COLS FROM idempotency.idem_claim('$key', "
+			  . "lease => '1 second', retention => '$retention') AS c "
+			  . "WHERE idempotency.idem_finish('$key', c.token, 200"
+			  . (defined $body ? ", $body" : '')
+			  . ") IS NOT NULL"));
 }
 
 # $n keys "$prefix-1" .. "$prefix-$n" in $db, claimed and finished (code
