@@ -21,8 +21,10 @@
  * until a batch is not full or its time slice ends (visits stay short, so
  * DROP DATABASE never waits long for it).  It reports to the launcher
  * through shared memory: done, more work, no extension, or the error that
- * stopped it.  The launcher logs a failure once per database and cause and
- * backs off that database; one database can never stop it.  Must not
+ * stopped it.  A failure is logged once per database and cause: the
+ * sweeper logs the whole error (SQLSTATE, detail, hint, context) when the
+ * launcher tells it that the cause is new, and the launcher adds one line
+ * and backs off that database; one database can never stop it.  Must not
  * decide which keys to sweep (sweep.c does).
  *
  *-------------------------------------------------------------------------
@@ -36,7 +38,9 @@
 #include "access/xact.h"
 #include "access/xlog.h"
 #include "catalog/pg_database.h"
+#include "commands/dbcommands.h"
 #include "commands/extension.h"
+#include "common/hashfn.h"
 #include "fmgr.h"
 #include "miscadmin.h"
 #include "pgstat.h"
@@ -73,6 +77,8 @@
 #define MAX_BACKOFF_MS			(60 * 60 * 1000)
 /* Room for the first line of a sweeper's error in its report. */
 #define REPORT_MESSAGE_LEN		256
+/* The cause of a sweeper that exited without reporting (a FATAL, logged). */
+#define SWEEPER_VANISHED_CAUSE	1
 /* Databases the launcher remembers failures of. */
 #define MAX_TRACKED_DBS			1024
 /* How often the launcher looks at its settings while sweeping is off. */
@@ -100,8 +106,16 @@ typedef struct WorkerShared
 	uint64		visit;
 	Oid			dbid;
 	VisitResult result;
+	uint32		cause;			/* of a failure: see sweeper_cause() */
 	char		message[REPORT_MESSAGE_LEN];
 } WorkerShared;
+
+/* What the launcher tells a sweeper, in its bgw_extra. */
+typedef struct SweeperArgs
+{
+	uint64		visit;			/* the launcher's visit number */
+	uint32		last_cause;		/* cause of this database's last failure, or 0 */
+} SweeperArgs;
 
 static WorkerShared *worker_shared = NULL;
 
@@ -112,7 +126,7 @@ typedef struct DbTrack
 	int			failures;
 	TimestampTz next_try;
 	bool		warned_no_slot; /* "no worker slot" logged since last visit */
-	char		last_message[REPORT_MESSAGE_LEN];
+	uint32		last_cause;		/* of the last failure, 0 when none */
 } DbTrack;
 
 static DbTrack tracked[MAX_TRACKED_DBS];
@@ -169,27 +183,31 @@ idem_worker_shmem_startup(void)
 	}
 }
 
-/* The visit this sweeper was started for (from its bgw_extra). */
-static uint64
-worker_my_visit(void)
+/* What the launcher told this sweeper (from its bgw_extra). */
+static SweeperArgs
+worker_my_args(void)
 {
-	uint64		visit;
+	SweeperArgs args;
 
-	memcpy(&visit, MyBgworkerEntry->bgw_extra, sizeof(visit));
-	return visit;
+	memcpy(&args, MyBgworkerEntry->bgw_extra, sizeof(args));
+	return args;
 }
 
-/* The sweeper's report on its visit, unless a later visit owns the slot. */
+/*
+ * The sweeper's report on its visit, unless a later visit owns the slot.
+ * "cause" and "message" describe a failure.
+ */
 static void
-worker_report(VisitResult result, const char *message)
+worker_report(VisitResult result, uint32 cause, const char *message)
 {
-	uint64		visit = worker_my_visit();
+	uint64		visit = worker_my_args().visit;
 
 	SpinLockAcquire(&worker_shared->mutex);
 	if (worker_shared->visit == visit)
 	{
 		worker_shared->dbid = MyDatabaseId;
 		worker_shared->result = result;
+		worker_shared->cause = cause;
 		strlcpy(worker_shared->message, message ? message : "",
 				sizeof(worker_shared->message));
 	}
@@ -243,10 +261,38 @@ sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 static bool database_visitable(Oid dbid);
 
 /*
+ * A failure's cause, as a number that is the same for the same SQLSTATE and
+ * message, and never 0 (no failure) or SWEEPER_VANISHED_CAUSE: the launcher
+ * logs a failure again only when its cause changes.
+ */
+static uint32
+sweeper_cause(const ErrorData *edata)
+{
+	uint32		cause = hash_bytes((const unsigned char *) edata->message,
+								   strlen(edata->message)) ^
+		(uint32) edata->sqlerrcode;
+
+	return cause <= SWEEPER_VANISHED_CAUSE ? cause + SWEEPER_VANISHED_CAUSE + 1 : cause;
+}
+
+/*
+ * Error context of a sweep: names the database in the log.  The name is
+ * looked up before the sweep, since a failed transaction cannot read the
+ * catalogs.
+ */
+static void
+sweeper_error_context(void *arg)
+{
+	errcontext("idempotency sweeper in database \"%s\"", (const char *) arg);
+}
+
+/*
  * Main of a sweeper: sweep the database given as argument, batch after
- * batch, for at most one time slice, then report and exit.  An error is
- * reported to the launcher (which logs it once) instead of being logged on
- * every round.
+ * batch, for at most one time slice, then report and exit.  An error ends
+ * the visit: it is logged in full (as a WARNING: the worker carries on)
+ * when its cause is new for this database, and reported to the launcher,
+ * which backs the database off; so a database that keeps failing the same
+ * way does not flood the log.
  */
 void
 idem_sweeper_main(Datum arg)
@@ -256,6 +302,8 @@ idem_sweeper_main(Datum arg)
 	volatile int64 expired = 0;
 	volatile int64 reset = 0;
 	MemoryContext cxt = CurrentMemoryContext;
+	ErrorContextCallback errcallback;
+	char	   *dbname;
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, die);
@@ -272,6 +320,12 @@ idem_sweeper_main(Datum arg)
 											  BGWORKER_BYPASS_ALLOWCONN);
 	if (!database_visitable(dbid))
 		proc_exit(0);
+	StartTransactionCommand();
+	dbname = get_database_name(dbid);
+	dbname = dbname ? MemoryContextStrdup(cxt, dbname) : NULL;
+	CommitTransactionCommand();
+	if (dbname == NULL)
+		proc_exit(0);			/* dropped since the check: nothing to do */
 
 	/*
 	 * A sweep lost in a crash is simply done again by the next one (a key
@@ -286,6 +340,10 @@ idem_sweeper_main(Datum arg)
 	{
 		VisitResult result = VISIT_DONE;
 
+		errcallback.callback = sweeper_error_context;
+		errcallback.arg = dbname;
+		errcallback.previous = error_context_stack;
+		error_context_stack = &errcallback;
 		for (;;)
 		{
 			int64		e = 0;
@@ -312,26 +370,36 @@ idem_sweeper_main(Datum arg)
 				break;
 			}
 		}
+		error_context_stack = errcallback.previous;
 		if (result != VISIT_NO_EXTENSION)
 			idem_stats_sweep_done(GetCurrentTimestamp(),
 								  (double) (GetCurrentTimestamp() - start) / 1000.0);
-		worker_report(result, NULL);
+		worker_report(result, 0, NULL);
 	}
 	PG_CATCH();
 	{
 		ErrorData  *edata;
+		uint32		cause;
 
 		MemoryContextSwitchTo(cxt);
 		edata = CopyErrorData();
 		FlushErrorState();
 		AbortCurrentTransaction();
+		cause = sweeper_cause(edata);
 
 		/* A DROP EXTENSION that raced with the sweep is no failure. */
 		StartTransactionCommand();
 		if (sweeper_extension_installed())
-			worker_report(VISIT_FAILED, edata->message);
+		{
+			if (cause != worker_my_args().last_cause)
+			{
+				edata->elevel = WARNING;
+				ThrowErrorData(edata);
+			}
+			worker_report(VISIT_FAILED, cause, edata->message);
+		}
 		else
-			worker_report(VISIT_NO_EXTENSION, NULL);
+			worker_report(VISIT_NO_EXTENSION, 0, NULL);
 		CommitTransactionCommand();
 	}
 	PG_END_TRY();
@@ -452,7 +520,8 @@ launcher_visit(DbEntry *db)
 	DbTrack    *track = launcher_track(db->oid);
 	VisitResult result;
 	char		message[REPORT_MESSAGE_LEN];
-	uint64		visit;
+	uint32		cause;
+	SweeperArgs args;
 	TimestampTz now = GetCurrentTimestamp();
 
 	if (track->next_try > now)
@@ -473,12 +542,16 @@ launcher_visit(DbEntry *db)
 	worker.bgw_notify_pid = MyProcPid;
 
 	SpinLockAcquire(&worker_shared->mutex);
-	visit = ++worker_shared->visit;
+	args.visit = ++worker_shared->visit;
 	worker_shared->dbid = db->oid;
 	worker_shared->result = VISIT_NONE;
+	worker_shared->cause = 0;
 	worker_shared->message[0] = '\0';
 	SpinLockRelease(&worker_shared->mutex);
-	memcpy(worker.bgw_extra, &visit, sizeof(visit));
+	args.last_cause = track->last_cause;
+	StaticAssertStmt(sizeof(SweeperArgs) <= BGW_EXTRALEN,
+					 "SweeperArgs must fit in bgw_extra");
+	memcpy(worker.bgw_extra, &args, sizeof(args));
 
 	if (!RegisterDynamicBackgroundWorker(&worker, &handle))
 	{
@@ -500,6 +573,7 @@ launcher_visit(DbEntry *db)
 
 	SpinLockAcquire(&worker_shared->mutex);
 	result = worker_shared->result;
+	cause = worker_shared->cause;
 	strlcpy(message, worker_shared->message, sizeof(message));
 	SpinLockRelease(&worker_shared->mutex);
 
@@ -511,14 +585,17 @@ launcher_visit(DbEntry *db)
 		int64		backoff;
 
 		if (result == VISIT_NONE)
+		{
 			strlcpy(message, "the sweeper exited without reporting",
 					sizeof(message));
-		if (strcmp(track->last_message, message) != 0)
+			cause = SWEEPER_VANISHED_CAUSE;
+		}
+		if (cause != track->last_cause)
 			ereport(LOG,
 					(errmsg("idempotency sweep of database \"%s\" failed: %s",
 							db->name, message),
 					 errdetail("The launcher retries later; this message is not repeated while the cause stays the same.")));
-		strlcpy(track->last_message, message, sizeof(track->last_message));
+		track->last_cause = cause;
 		track->failures = Min(track->failures + 1, BACKOFF_MAX_DOUBLINGS);
 		backoff = Min((int64) Max(idem_sweep_interval_ms, BACKOFF_FLOOR_MS) <<
 					  track->failures, (int64) MAX_BACKOFF_MS);
@@ -532,7 +609,7 @@ launcher_visit(DbEntry *db)
 						db->name)));
 	track->failures = 0;
 	track->next_try = 0;
-	track->last_message[0] = '\0';
+	track->last_cause = 0;
 	return result == VISIT_MORE;
 }
 

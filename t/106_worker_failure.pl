@@ -6,11 +6,14 @@
 #    trigger whose log is full), so every sweep there fails;
 #  - fail2: the table was renamed, so the sweeper finds the extension's
 #    table missing.
-# The launcher logs each failure once per database and cause (not once per
-# attempt, although it tries again several times), backs off (it visits the
-# failing database far less often than a healthy one), keeps sweeping the
-# healthy database meanwhile, and sweeps the failing ones again once the
-# cause is gone (logging that once).  The launcher process never changes.
+# Each failure is logged once per database and cause (not once per attempt,
+# although the launcher tries again several times): the sweeper logs the
+# whole error as a WARNING (SQLSTATE, message, the context it was raised in,
+# and the database), and the launcher adds one line.  The launcher backs off
+# (it visits the failing database far less often than a healthy one), keeps
+# sweeping the healthy database meanwhile, and sweeps the failing ones again
+# once the cause is gone (logging that once).  The launcher process never
+# changes.
 #
 # Run it like the other TAP tests (see the top of t/001_restart.pl).
 
@@ -25,7 +28,7 @@ use PostgreSQL::Test::Utils;
 use Test::More;
 
 my $node = new_node('failure', port => 55449,
-	conf => ["idempotency.sweep_interval = '200ms'"]);
+	conf => [ "idempotency.sweep_interval = '200ms'", 'log_error_verbosity = verbose' ]);
 
 sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
@@ -42,6 +45,29 @@ sub log_lines
 	my ($db) = @_;
 	return grep { /idempotency sweep of database "$db"/ }
 	  split /\n/, slurp_file($node->logfile);
+}
+
+# The sweeper's reports of an error in database $db: each WARNING of the
+# log, with the DETAIL, HINT, CONTEXT and LOCATION lines that follow it (each
+# a line of its own, or a tab-indented continuation), that names the
+# sweeper of $db in its context.
+sub sweeper_reports
+{
+	my ($db) = @_;
+	my @entries;
+	for my $line (split /\n/, slurp_file($node->logfile))
+	{
+		if (@entries
+			&& ($line =~ /^\t/ || $line =~ /\] (DETAIL|HINT|CONTEXT|LOCATION):/))
+		{
+			$entries[-1] .= "\n$line";
+		}
+		else
+		{
+			push @entries, $line;
+		}
+	}
+	return grep { /WARNING:/ && /idempotency sweeper in database "$db"/ } @entries;
 }
 
 for my $db (qw(healthy fail1 fail2))
@@ -105,6 +131,21 @@ like($l2[0] // '',
 	qr/idempotency sweep of database "fail2" failed: .*(not installed|does not exist)/,
 	'fail2: the line says the table is missing');
 is(scalar(log_lines('healthy')), 0, 'healthy: nothing logged');
+
+# The sweeper logged each error once, in full.
+my @r1 = sweeper_reports('fail1');
+is(scalar(@r1), 1, 'fail1: the sweeper logged its error once');
+like($r1[0] // '', qr/WARNING:\s+P0001: audit log is full/,
+	'fail1: ... with its SQLSTATE and message');
+like($r1[0] // '', qr/CONTEXT:.*PL\/pgSQL function (public\.)?audit_key_delete\(\)/s,
+	'fail1: ... and the context it was raised in (the trigger)');
+my @r2 = sweeper_reports('fail2');
+is(scalar(@r2), 1, 'fail2: the sweeper logged its error once');
+like($r2[0] // '', qr/WARNING:\s+42704: extension "idempotency" is not installed/,
+	'fail2: ... with its SQLSTATE and message');
+like($r2[0] // '', qr/HINT:\s+Run CREATE EXTENSION idempotency/,
+	'fail2: ... and its hint');
+is(scalar(sweeper_reports('healthy')), 0, 'healthy: no sweeper error');
 is( sql('fail1', "SELECT count(*) FROM idempotency.keys"),
 	'3', 'fail1: the failed sweeps left every key in place');
 
@@ -155,6 +196,8 @@ ok( $node->poll_query_until(
 	'fail1: failing again, twice');
 is(scalar(grep { /failed: audit log is full/ } log_lines('fail1')),
 	2, 'fail1: the recurring failure is logged once more, not per attempt');
+is(scalar(sweeper_reports('fail1')), 2,
+	'fail1: ... and the sweeper logged the whole error once more');
 
 is(launcher_pid($node), $pid, 'the same launcher process ran all along');
 is( scalar(grep { /background worker "idempotency launcher"/ }
