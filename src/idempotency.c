@@ -23,9 +23,7 @@
 
 PG_MODULE_MAGIC;
 
-#if PG_VERSION_NUM >= 150000
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
-#endif
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 
 void		_PG_init(void);
@@ -34,10 +32,8 @@ void		_PG_init(void);
 static void
 idem_shmem_request(void)
 {
-#if PG_VERSION_NUM >= 150000
 	if (prev_shmem_request_hook)
 		prev_shmem_request_hook();
-#endif
 	idem_wait_shmem_request();
 	idem_stats_shmem_request();
 	idem_worker_shmem_request();
@@ -65,12 +61,8 @@ _PG_init(void)
 	if (!process_shared_preload_libraries_in_progress)
 		return;
 
-#if PG_VERSION_NUM >= 150000
 	prev_shmem_request_hook = shmem_request_hook;
 	shmem_request_hook = idem_shmem_request;
-#else
-	idem_shmem_request();
-#endif
 	prev_shmem_startup_hook = shmem_startup_hook;
 	shmem_startup_hook = idem_shmem_startup;
 
