@@ -8,6 +8,8 @@ PGFILEDESC  = "idempotency - idempotency keys for PostgreSQL"
 
 # Every file in sql/ is a pg_regress test, every file in specs/ an
 # isolation test, every t/*.pl a TAP test: adding a test is adding a file.
+# The isolation specs decide who sweeps and when: run them against a cluster
+# with idempotency.sweep_interval = 0 (./run test starts one so).
 REGRESS      = $(patsubst sql/%.sql,%,$(sort $(wildcard sql/*.sql)))
 REGRESS_OPTS = --inputdir=. --load-extension=idempotency
 ISOLATION    = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))

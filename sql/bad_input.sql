@@ -1,5 +1,5 @@
 --
--- bad_input.sql: every bad input of SPEC "Bad input" raises its own
+-- bad_input.sql: every documented bad input raises its own
 -- SQLSTATE (never XX000 or P0001) and leaves the table exactly as it was.
 --
 -- After each group of rejected calls, "unchanged" compares a checksum of

@@ -40,6 +40,20 @@ ALTER TABLE idempotency.scope_bindings ADD COLUMN note text;
 SELECT pg_temp.err($$SELECT idempotency.idem_claim('t2', scope => 'tampered')$$);
 ROLLBACK;
 
+-- a scope binding with a NULL prefix (the constraint dropped first)
+BEGIN;
+ALTER TABLE idempotency.scope_bindings ALTER COLUMN scope_prefix DROP NOT NULL;
+INSERT INTO idempotency.scope_bindings VALUES (current_user::regrole, NULL);
+SELECT pg_temp.err($$SELECT idempotency.idem_claim('t2', scope => 'tampered')$$);
+ROLLBACK;
+
+-- the scope bindings table gone (renamed away): no call goes through, as
+-- nobody can tell which roles are bound
+BEGIN;
+ALTER TABLE idempotency.scope_bindings RENAME TO scope_bindings_gone;
+SELECT pg_temp.err($$SELECT idempotency.idem_claim('t2', scope => 'tampered')$$);
+ROLLBACK;
+
 -- the sweep index replaced by one on another column
 BEGIN;
 DROP INDEX idempotency.keys_sweep_at_idx;

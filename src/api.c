@@ -695,11 +695,13 @@ static const char *const call_names[] = {"finish", "extend", "release"};
  * elsewhere) is waited for: without the key's lock, so that the wait can
  * never close a cycle through it, and then the key is probed afresh.  A
  * takeover, reset or release in flight is not: it raises at once, since
- * the token is as good as dead.
+ * the token is as good as dead.  *now is the wall clock the call is judged
+ * by: read again after a wait, so that a key whose retention passed
+ * meanwhile is absent, and leases and expiries count from the write.
  */
 static bool
 token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
-				 int64 token, IdemRow *row, TimestampTz now)
+				 int64 token, IdemRow *row, TimestampTz *now)
 {
 	for (;;)
 	{
@@ -710,6 +712,7 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 			break;
 		idem_store_unlock(hash);
 		XactLockTableWait(row->busy_xid, NULL, NULL, XLTW_None);
+		*now = GetCurrentTimestamp();
 	}
 
 	if (row->busy || row->locked)
@@ -717,9 +720,17 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 				 errmsg("could not %s idempotency key %s", call_names[call],
 						key_display(scope, key)),
-				 errdetail("Another transaction is changing this key right now."),
-				 errhint("If that transaction took the key over, this token is no longer current.")));
-	if (!row->found || row->expires_at <= now)
+				 row->locked ?
+				 errdetail("Another transaction holds a row lock on this key.") :
+				 !row->busy_new ?
+				 errdetail("Another transaction is deleting this key right now (a release, or a sweep of an expired key).") :
+				 row->busy_token == 0 ?
+				 errdetail("Another transaction is resetting this key right now (its lease ended).") :
+				 errdetail("Another transaction is taking this key over right now."),
+				 row->locked ?
+				 errhint("Retry once that transaction has ended.") :
+				 errhint("If that transaction commits, this token is no longer current.")));
+	if (!row->found || row->expires_at <= *now)
 		ereport(ERROR,
 				(errcode(ERRCODE_NO_DATA_FOUND),
 				 errmsg("idempotency key %s does not exist",
@@ -790,7 +801,7 @@ idem_finish(PG_FUNCTION_ARGS)
 
 	hash = idem_key_hash(scope, key);
 	now = GetCurrentTimestamp();
-	if (!token_call_begin(CALL_FINISH, scope, key, hash, token, &row, now))
+	if (!token_call_begin(CALL_FINISH, scope, key, hash, token, &row, &now))
 	{
 		idem_store_unlock(hash);
 		PG_RETURN_TIMESTAMPTZ(row.expires_at);
@@ -829,7 +840,7 @@ idem_extend(PG_FUNCTION_ARGS)
 
 	hash = idem_key_hash(scope, key);
 	now = GetCurrentTimestamp();
-	(void) token_call_begin(CALL_EXTEND, scope, key, hash, token, &row, now);
+	(void) token_call_begin(CALL_EXTEND, scope, key, hash, token, &row, &now);
 
 	lease_until = add_interval(now, lease ? lease :
 							   interval_from_ms(idem_lease_ms));
@@ -849,6 +860,7 @@ idem_release(PG_FUNCTION_ARGS)
 	int64		token;
 	uint64		hash;
 	IdemRow		row;
+	TimestampTz now;
 
 	arg_not_null(fcinfo, 1, "token");
 	token = PG_GETARG_INT64(1);
@@ -856,8 +868,8 @@ idem_release(PG_FUNCTION_ARGS)
 	idem_tenant_check(scope);
 
 	hash = idem_key_hash(scope, key);
-	(void) token_call_begin(CALL_RELEASE, scope, key, hash, token, &row,
-							GetCurrentTimestamp());
+	now = GetCurrentTimestamp();
+	(void) token_call_begin(CALL_RELEASE, scope, key, hash, token, &row, &now);
 	idem_store_delete(&row);
 	token_call_end(hash);
 	idem_stats_count(IDEM_STAT_RELEASES, 1);

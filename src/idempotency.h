@@ -94,16 +94,17 @@ typedef struct IdemStoreSection
  * transaction holds a row lock (FOR UPDATE / SHARE) on it: readers may
  * answer from it, but a write would wait.  "mine" is set when the current
  * row was written by the caller's own open transaction.  When busy,
- * busy_xid is the transaction changing the row and busy_token the token of
- * the new row version it writes (0 when it writes none with a token: a
- * delete, a reset), so that the holder of that token can tell a change
- * that keeps its token current from a takeover.
+ * busy_xid is the transaction changing the row; busy_new says whether the
+ * probe saw the new row version it writes (none: a delete), and busy_token
+ * is that version's token (0 when NULL: a reset), so that the holder of a
+ * token can tell a change that keeps its token current from a takeover.
  */
 typedef struct IdemRow
 {
 	bool		found;
 	bool		busy;
 	TransactionId busy_xid;
+	bool		busy_new;
 	int64		busy_token;
 	bool		locked;			/* row-locked by another running transaction */
 	bool		mine;
@@ -117,7 +118,7 @@ typedef struct IdemRow
 	uint8		fingerprint[IDEM_FINGERPRINT_LEN];
 	bool		has_response_code;
 	int32		response_code;
-	Datum		response_body;	/* detoasted copy, or 0 */
+	Datum		response_body;	/* copy as stored (maybe a TOAST pointer), or 0 */
 	TimestampTz created_at;
 	bool		has_finished_at;
 	TimestampTz finished_at;

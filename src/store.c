@@ -355,8 +355,18 @@ store_lookup_rels(void)
 {
 	StoreRels	found;
 
+	/*
+	 * The first lock this transaction takes on the table accepts the
+	 * invalidations queued meanwhile (a REINDEX CONCURRENTLY of an index,
+	 * say): take it before trusting the cache, not after.  Every caller
+	 * opens the table next, so this costs a local lock table lookup.
+	 */
 	if (rels.valid)
-		return;
+	{
+		LockRelationOid(rels.keys, AccessShareLock);
+		if (rels.valid)
+			return;
+	}
 	if (!callback_registered)
 	{
 		CacheRegisterRelcacheCallback(store_relcache_callback, (Datum) 0);
@@ -508,7 +518,11 @@ store_take_tuple(TupleTableSlot *slot, bool want_body, IdemRow *row)
 /*
  * Record that the tuple in "slot", which the dirty snapshot "dirty" just
  * returned, is being changed by another transaction: which one, and, when
- * the tuple is the new version it writes, the token that version carries.
+ * the tuple is the newest version it writes, the token that version
+ * carries.  A dirty snapshot returns every version the transaction wrote
+ * (it looks no further than an in-progress xmin), so one that the same
+ * transaction updated or deleted again is not the newest: its token says
+ * nothing about what the transaction leaves behind.
  */
 static void
 store_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
@@ -516,10 +530,23 @@ store_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 	row->busy = true;
 	if (TransactionIdIsValid(dirty->xmin))
 	{
+		BufferHeapTupleTableSlot *bslot = (BufferHeapTupleTableSlot *) slot;
+		HeapTupleHeader tup = bslot->base.tuple->t_data;
+		uint16		infomask;
 		bool		isnull;
-		Datum		token = slot_getattr(slot, COL_TOKEN, &isnull);
+		Datum		token;
 
+		Assert(TTS_IS_BUFFERTUPLE(slot));
+		if (BufferIsValid(bslot->buffer))
+			LockBuffer(bslot->buffer, BUFFER_LOCK_SHARE);
+		infomask = tup->t_infomask;
+		if (BufferIsValid(bslot->buffer))
+			LockBuffer(bslot->buffer, BUFFER_LOCK_UNLOCK);
 		row->busy_xid = dirty->xmin;
+		if (!(infomask & HEAP_XMAX_INVALID) && !HEAP_XMAX_IS_LOCKED_ONLY(infomask))
+			return;				/* changed again by the same transaction */
+		token = slot_getattr(slot, COL_TOKEN, &isnull);
+		row->busy_new = true;
 		row->busy_token = isnull ? 0 : DatumGetInt64(token);
 	}
 	else if (!TransactionIdIsValid(row->busy_xid))

@@ -24,6 +24,8 @@
 #include "executor/tuptable.h"
 #include "fmgr.h"
 #include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "storage/sinval.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/inval.h"
@@ -128,46 +130,71 @@ tenant_load(void)
 									 "idempotency scope bindings",
 									 ALLOCSET_SMALL_SIZES);
 
-	nsp = get_namespace_oid("idempotency", true);
-	relid = OidIsValid(nsp) ?
-		get_relname_relid("scope_bindings", nsp) : InvalidOid;
-	/* The callback must recognise the table from here on. */
-	bindings_relid = relid;
-	if (OidIsValid(relid))
+	/*
+	 * Find the table and lock it; look its name up again if invalidations
+	 * arrived meanwhile (a reinstall while we waited for the lock), as the
+	 * store does.  A missing table refuses the call: without it nobody can
+	 * tell which roles are bound.
+	 */
+	for (;;)
 	{
-		idem_store_check_member(relid);
-		rel = table_open(relid, AccessShareLock);
-		/* Invalidations queued before the lock are in what we read now. */
-		invalidated_during_load = false;
-		if (RelationGetNumberOfAttributes(rel) != 2 ||
-			TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
-			TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
+		uint64		inval_count = SharedInvalidMessageCounter;
+
+		nsp = get_namespace_oid("idempotency", true);
+		if (!OidIsValid(nsp))
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_OBJECT),
+					 errmsg("extension \"idempotency\" is not installed in this database"),
+					 errhint("Run CREATE EXTENSION idempotency.")));
+		relid = get_relname_relid("scope_bindings", nsp);
+		if (!OidIsValid(relid))
 			ereport(ERROR,
 					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-					 errmsg("table \"idempotency.scope_bindings\" is not as extension \"idempotency\" created it"),
-					 errhint("Someone replaced the extension's objects; reinstall the extension.")));
-		snapshot = RegisterSnapshot(GetLatestSnapshot());
-		slot = table_slot_create(rel, NULL);
-		scan = table_beginscan(rel, snapshot, 0, NULL);
-		while (table_scan_getnextslot(scan, ForwardScanDirection, slot))
-		{
-			bool		isnull;
-			Datum		role = slot_getattr(slot, 1, &isnull);
-			Datum		prefix = slot_getattr(slot, 2, &isnull);
-			char	   *p = TextDatumGetCString(prefix);
-
-			CHECK_FOR_INTERRUPTS();
-			tenant_add(&list, &n, &allocated, load_cxt,
-					   DatumGetObjectId(role), p);
-			pfree(p);
-		}
-		table_endscan(scan);
-		ExecDropSingleTupleTableSlot(slot);
-		UnregisterSnapshot(snapshot);
-		table_close(rel, AccessShareLock);
+					 errmsg("table \"idempotency.scope_bindings\" of extension \"idempotency\" is missing"),
+					 errhint("Someone dropped the extension's objects; reinstall the extension.")));
+		/* The callback must recognise the table from here on. */
+		bindings_relid = relid;
+		LockRelationOid(relid, AccessShareLock);
+		if (inval_count == SharedInvalidMessageCounter)
+			break;
 	}
-	else
-		invalidated_during_load = false;
+	/* Invalidations queued before the lock are in what we read now. */
+	invalidated_during_load = false;
+	idem_store_check_member(relid);
+	rel = table_open(relid, NoLock);
+	if (RelationGetNumberOfAttributes(rel) != 2 ||
+		TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
+		TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("table \"idempotency.scope_bindings\" is not as extension \"idempotency\" created it"),
+				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
+	snapshot = RegisterSnapshot(GetLatestSnapshot());
+	slot = table_slot_create(rel, NULL);
+	scan = table_beginscan(rel, snapshot, 0, NULL);
+	while (table_scan_getnextslot(scan, ForwardScanDirection, slot))
+	{
+		bool		role_null;
+		bool		prefix_null;
+		Datum		role = slot_getattr(slot, 1, &role_null);
+		Datum		prefix = slot_getattr(slot, 2, &prefix_null);
+		char	   *p;
+
+		CHECK_FOR_INTERRUPTS();
+		if (role_null || prefix_null)
+			ereport(ERROR,
+					(errcode(ERRCODE_DATA_CORRUPTED),
+					 errmsg("table \"idempotency.scope_bindings\" has a row with a NULL role or prefix"),
+					 errhint("Someone changed the table's constraints; delete that row.")));
+		p = TextDatumGetCString(prefix);
+		tenant_add(&list, &n, &allocated, load_cxt,
+				   DatumGetObjectId(role), p);
+		pfree(p);
+	}
+	table_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	UnregisterSnapshot(snapshot);
+	table_close(rel, AccessShareLock);
 
 	/* Complete: publish.  Nothing below can fail. */
 	MemoryContextSetParent(load_cxt, TopMemoryContext);

@@ -268,8 +268,9 @@ static bool database_visitable(Oid dbid);
 static uint32
 sweeper_cause(const ErrorData *edata)
 {
-	uint32		cause = hash_bytes((const unsigned char *) edata->message,
-								   strlen(edata->message)) ^
+	const char *message = edata->message ? edata->message : "";
+	uint32		cause = hash_bytes((const unsigned char *) message,
+								   strlen(message)) ^
 		(uint32) edata->sqlerrcode;
 
 	return cause <= SWEEPER_VANISHED_CAUSE ? cause + SWEEPER_VANISHED_CAUSE + 1 : cause;

@@ -7,8 +7,7 @@
 # An administrator's bulk DELETE on idempotency.keys takes each row's lock
 # as it goes and waits for rows the sweep has deleted but not yet
 # committed.  If the sweep in turn waited for a row the DELETE had locked
-# after the sweep re-read it, the two would deadlock (bench/run hit this
-# once).  Here idem_sweep batches and bulk DELETEs race over the same
+# after the sweep re-read it, the two would deadlock.  Here idem_sweep batches and bulk DELETEs race over the same
 # expired rows, in the same order, round after round; every statement must
 # succeed (no 40P01 on either side), and between them every row is gone.
 # A second part runs the same race against the background worker.
