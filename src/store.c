@@ -635,6 +635,8 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
 			store_note_busy(slot, &dirty, row);
 		else
 			store_take_tuple(slot, want_body, row);
+		/* One version is judged; the next is not read yet. */
+		IDEM_PAUSE("probe-version-read");
 	}
 	index_endscan(scan);
 	ExecDropSingleTupleTableSlot(slot);
