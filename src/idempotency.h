@@ -126,6 +126,7 @@ typedef struct IdemRow
 	TimestampTz lease_until;
 	TimestampTz expires_at;
 	Interval	retention;
+	TimestampTz sweep_at;
 } IdemRow;
 
 /* How a probe reads: the newest state (claims, writes) or a snapshot. */

@@ -119,8 +119,8 @@ typedef enum StorePlan
 	NUM_PLANS
 } StorePlan;
 
-/* The most parameters a prepared write takes (the claim's insert). */
-#define PLAN_MAX_ARGS			8
+/* The most parameters a prepared write takes (a takeover's update). */
+#define PLAN_MAX_ARGS			9
 
 typedef struct StorePlanDef
 {
@@ -146,23 +146,22 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 		"UPDATE idempotency.keys SET status = 'pending', token = $2, "
 		"attempt = $3, fingerprint = $4, response_code = NULL, "
 		"response_body = NULL, created_at = $5, finished_at = NULL, "
-		"lease_until = $6, expires_at = $7, retention = $8, "
-		"sweep_at = LEAST(sweep_at, $6) "
+		"lease_until = $6, expires_at = $7, retention = $8, sweep_at = $9 "
 		"WHERE ctid OPERATOR(pg_catalog.=) $1",
-		8, {TIDOID, INT8OID, INT4OID, BYTEAOID, TIMESTAMPTZOID,
-		TIMESTAMPTZOID, TIMESTAMPTZOID, INTERVALOID},
+		9, {TIDOID, INT8OID, INT4OID, BYTEAOID, TIMESTAMPTZOID,
+		TIMESTAMPTZOID, TIMESTAMPTZOID, INTERVALOID, TIMESTAMPTZOID},
 		{0, COL_TOKEN, COL_ATTEMPT, COL_FINGERPRINT, COL_CREATED_AT,
-		COL_LEASE_UNTIL, COL_EXPIRES_AT, COL_RETENTION}
+		COL_LEASE_UNTIL, COL_EXPIRES_AT, COL_RETENTION, COL_SWEEP_AT}
 	},
 	[PLAN_FINISH] = {
 		"UPDATE idempotency.keys SET status = $2, response_code = $3, "
 		"response_body = $4, finished_at = $5, lease_until = NULL, "
-		"expires_at = $6, sweep_at = LEAST(sweep_at, $6) "
+		"expires_at = $6, sweep_at = $7 "
 		"WHERE ctid OPERATOR(pg_catalog.=) $1",
-		6, {TIDOID, TEXTOID, INT4OID, JSONBOID, TIMESTAMPTZOID,
-		TIMESTAMPTZOID},
+		7, {TIDOID, TEXTOID, INT4OID, JSONBOID, TIMESTAMPTZOID,
+		TIMESTAMPTZOID, TIMESTAMPTZOID},
 		{0, COL_STATUS, COL_RESPONSE_CODE, COL_RESPONSE_BODY, COL_FINISHED_AT,
-		COL_EXPIRES_AT}
+		COL_EXPIRES_AT, COL_SWEEP_AT}
 	},
 	[PLAN_EXTEND] = {
 		"UPDATE idempotency.keys SET lease_until = $2, expires_at = $3 "
@@ -450,6 +449,7 @@ store_read_slot(TupleTableSlot *slot, bool want_body, IdemRow *row)
 	row->lease_until = row->has_lease_until ?
 		DatumGetTimestampTz(v[COL_LEASE_UNTIL - 1]) : 0;
 	row->expires_at = DatumGetTimestampTz(v[COL_EXPIRES_AT - 1]);
+	row->sweep_at = DatumGetTimestampTz(v[COL_SWEEP_AT - 1]);
 	memcpy(&row->retention, DatumGetIntervalP(v[COL_RETENTION - 1]),
 		   sizeof(Interval));
 }
@@ -860,9 +860,8 @@ store_raise_vanished(void)
 }
 
 /*
- * A write's new column values.  "set" marks the columns it writes; a write
- * that sets sweep_at on an existing row only ever moves it earlier
- * (LEAST(sweep_at, value)), as its SQL form says.
+ * A write's new column values.  "set" marks the columns it writes; both the
+ * direct path and the prepared statements write exactly these values.
  */
 typedef struct StoreChange
 {
@@ -1068,10 +1067,6 @@ store_direct_update(StoreDirect *direct, const ItemPointerData *tid,
 		slot->tts_values[i] = change->set[i] ? change->values[i] : old->tts_values[i];
 		slot->tts_isnull[i] = change->set[i] ? change->nulls[i] : old->tts_isnull[i];
 	}
-	if (change->set[COL_SWEEP_AT - 1] && !old->tts_isnull[COL_SWEEP_AT - 1] &&
-		DatumGetTimestampTz(old->tts_values[COL_SWEEP_AT - 1]) <
-		DatumGetTimestampTz(change->values[COL_SWEEP_AT - 1]))
-		slot->tts_values[COL_SWEEP_AT - 1] = old->tts_values[COL_SWEEP_AT - 1];
 	ExecStoreVirtualTuple(slot);
 	if (RelationGetDescr(direct->heap)->constr != NULL)
 		ExecConstraints(direct->rri, slot, direct->estate);
@@ -1135,12 +1130,24 @@ store_apply(StorePlan which, const ItemPointerData *tid,
 	idem_store_end(&section);
 }
 
+/*
+ * The sweep_at of an existing row that a write makes due at "due": never
+ * later than it was.  The sweeper finds a row whose sweep_at passed before
+ * its time and moves it forward then; leaving sweep_at where it is, when
+ * that is earlier, keeps the write a HOT update (sweep_at is indexed).
+ */
+static TimestampTz
+store_sweep_at(const IdemRow *row, TimestampTz due)
+{
+	return Min(row->sweep_at, due);
+}
+
 /* The columns of a new pending attempt, whether inserted or taking a row over. */
 static void
 change_pending(StoreChange *change, int64 token, int32 attempt,
 			   const uint8 *fingerprint, TimestampTz created_at,
 			   TimestampTz lease_until, TimestampTz expires_at,
-			   Interval *retention)
+			   Interval *retention, TimestampTz sweep_at)
 {
 	memset(change, 0, sizeof(StoreChange));
 	change_set(change, COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
@@ -1154,7 +1161,7 @@ change_pending(StoreChange *change, int64 token, int32 attempt,
 	change_set(change, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
 	change_set(change, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
 	change_set(change, COL_RETENTION, IntervalPGetDatum(retention));
-	change_set(change, COL_SWEEP_AT, TimestampTzGetDatum(lease_until));
+	change_set(change, COL_SWEEP_AT, TimestampTzGetDatum(sweep_at));
 }
 
 /* Insert a new pending key (first attempt). */
@@ -1167,7 +1174,7 @@ idem_store_insert_claim(text *scope, text *key, int64 token,
 	StoreChange change;
 
 	change_pending(&change, token, 1, fingerprint, now, lease_until,
-				   expires_at, retention);
+				   expires_at, retention, lease_until);
 	change_set(&change, COL_SCOPE, PointerGetDatum(scope));
 	change_set(&change, COL_KEY, PointerGetDatum(key));
 	store_apply(PLAN_INSERT_CLAIM, NULL, &change);
@@ -1186,7 +1193,8 @@ idem_store_update_claim(const IdemRow *row, int64 token, int32 attempt,
 	StoreChange change;
 
 	change_pending(&change, token, attempt, fingerprint, created_at,
-				   lease_until, expires_at, retention);
+				   lease_until, expires_at, retention,
+				   store_sweep_at(row, lease_until));
 	store_apply(PLAN_UPDATE_CLAIM, &row->tid, &change);
 }
 
@@ -1211,7 +1219,8 @@ idem_store_finish(const IdemRow *row, IdemStatus status, bool has_code,
 	change_set(&change, COL_FINISHED_AT, TimestampTzGetDatum(now));
 	change_null(&change, COL_LEASE_UNTIL);
 	change_set(&change, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
-	change_set(&change, COL_SWEEP_AT, TimestampTzGetDatum(expires_at));
+	change_set(&change, COL_SWEEP_AT,
+			   TimestampTzGetDatum(store_sweep_at(row, expires_at)));
 	store_apply(PLAN_FINISH, &row->tid, &change);
 }
 

@@ -13,7 +13,7 @@
 # answered in_progress).
 #
 # With the library preloaded, a claim skips its second probe when the key's
-# insert counter did not move (wait.c); this test is what fails, with a
+# write counter did not move (wait.c); this test is what fails, with a
 # unique violation or two 'claimed' answers, if that shortcut ever skips a
 # probe it needs: with the second probe always skipped, 8 seconds gave
 # several duplicate-key errors in every trial.  It is a stress test: it
