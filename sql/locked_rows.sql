@@ -2,8 +2,8 @@
 -- locked_rows.sql: a key whose row another transaction has locked (FOR
 -- UPDATE) never makes a call wait: a claim that would have to write
 -- answers in_progress (retry_after 1), finish/extend/release raise 55P03,
--- and idem_sweep skips the row (bug report regress-1).  Reads (replay, in_progress,
--- mismatch, lookup) are unaffected.
+-- and idem_sweep skips the row.  Reads (replay, in_progress, mismatch,
+-- lookup) are unaffected.
 --
 -- The second transaction runs over dblink (skipped where dblink is not
 -- available: locked_rows_1.out).  statement_timeout turns a call that

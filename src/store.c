@@ -119,6 +119,12 @@ typedef enum StorePlan
 	NUM_PLANS
 } StorePlan;
 
+/* The rows at the ctids $1 that a sweep statement may write: those it can lock now. */
+#define SWEEP_ROWS \
+	"ctid OPERATOR(pg_catalog.=) ANY (ARRAY(" \
+	"SELECT ctid FROM idempotency.keys " \
+	"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1) FOR UPDATE SKIP LOCKED))"
+
 /* The most parameters a prepared write takes (a takeover's update). */
 #define PLAN_MAX_ARGS			9
 
@@ -173,14 +179,18 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 		"DELETE FROM idempotency.keys WHERE ctid OPERATOR(pg_catalog.=) $1",
 		1, {TIDOID}
 	},
+	/*
+	 * The sweep's statements write only the rows they can lock without
+	 * waiting (SWEEP_ROWS), like the direct deletes: a row someone changed
+	 * or locked since the sweep read it is skipped, never waited on.
+	 */
 	[PLAN_SWEEP_DELETE] = {
-		"DELETE FROM idempotency.keys "
-		"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1)",
+		"DELETE FROM idempotency.keys WHERE " SWEEP_ROWS,
 		1, {TIDARRAYOID}
 	},
 	[PLAN_SWEEP_RESET] = {
 		"UPDATE idempotency.keys SET token = NULL, sweep_at = expires_at "
-		"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1)",
+		"WHERE " SWEEP_ROWS,
 		1, {TIDARRAYOID}
 	},
 	[PLAN_SWEEP_RESCHEDULE] = {
@@ -188,7 +198,7 @@ static const StorePlanDef plan_defs[NUM_PLANS] = {
 		"WHEN status OPERATOR(pg_catalog.=) 'pending' AND token IS NOT NULL "
 		"AND lease_until OPERATOR(pg_catalog.>) $2 THEN lease_until "
 		"ELSE expires_at END "
-		"WHERE ctid OPERATOR(pg_catalog.=) ANY ($1)",
+		"WHERE " SWEEP_ROWS,
 		2, {TIDARRAYOID, TIMESTAMPTZOID}
 	},
 };
@@ -1355,9 +1365,7 @@ idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids, int n,
 	if (rc != (work == IDEM_SWEEP_DELETE ? SPI_OK_DELETE : SPI_OK_UPDATE))
 		elog(ERROR, "idempotency sweep statement failed: %s",
 			 SPI_result_code_string(rc));
-	if (SPI_processed != (uint64) n)
-		store_raise_vanished();
-	return n;
+	return (int) SPI_processed;
 }
 
 /*

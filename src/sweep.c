@@ -87,6 +87,8 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 	}
 
 	idem_store_fetch_end(&fetch);
+	/* The chunk is sorted; nothing is written yet. */
+	IDEM_PAUSE("sweep-chunk-sorted");
 
 	for (int kind = 0; kind < IDEM_SWEEP_NKINDS; kind++)
 	{
