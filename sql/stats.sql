@@ -7,7 +7,7 @@
 \set VERBOSITY sqlstate
 
 -- in a database that has not counted anything yet, the counters read 0
--- (NULL would mean "library not preloaded"; bug report regress-3)
+-- (NULL would mean "library not preloaded")
 SELECT current_database() AS regress_db \gset
 CREATE DATABASE regress_idem_stats_fresh TEMPLATE template0;
 \c regress_idem_stats_fresh

@@ -1,9 +1,8 @@
 --
 -- tenant_cache.sql: a scope binding committed while a tenant's session is
 -- inside a REPEATABLE READ transaction applies to that session at the
--- latest once the transaction has ended (bug report regress-2: the
--- session's cache of bindings must not be reloaded from an old snapshot
--- and then kept).
+-- latest once the transaction has ended: the session's cache of bindings
+-- must not be reloaded from an old snapshot and then kept.
 --
 -- The tenant's session runs over dblink (skipped where dblink is not
 -- available: tenant_cache_1.out).
