@@ -397,6 +397,7 @@ idem_sweeper_main(Datum arg)
 				edata->elevel = WARNING;
 				ThrowErrorData(edata);
 			}
+			IDEM_PAUSE("sweeper-report-failure");
 			worker_report(VISIT_FAILED, cause, edata->message);
 		}
 		else
