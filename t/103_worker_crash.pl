@@ -140,13 +140,9 @@ for my $db (qw(postgres shop))
 
 $pid = launcher_pid($node);
 $log_offset = -s $node->logfile;
-is(sql('postgres', "SELECT pg_terminate_backend($pid)"), 't',
-	'pg_terminate_backend of the launcher');
-ok( $node->poll_query_until(
-		'postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity "
-		  . "WHERE backend_type = 'idempotency launcher' AND pid <> $pid"),
-	'the postmaster starts the launcher again');
+my ($terminated, $restarted) = restart_launcher($node, $pid);
+ok($terminated, 'pg_terminate_backend of the launcher');
+ok($restarted, 'the postmaster starts the launcher again');
 unlike(
 	slurp_file($node->logfile, $log_offset),
 	qr/reinitializing|terminated by signal/,

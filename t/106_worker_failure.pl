@@ -78,14 +78,7 @@ for my $db (qw(healthy fail1 fail2))
 my $pid = launcher_pid($node);
 
 # fail1: an audit trigger that fails on every delete.
-sql('fail1', <<'EOF');
-CREATE FUNCTION public.audit_key_delete() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-	RAISE EXCEPTION 'audit log is full';
-END $$;
-CREATE TRIGGER audit_key_delete BEFORE DELETE ON idempotency.keys
-	FOR EACH ROW EXECUTE FUNCTION public.audit_key_delete();
-EOF
+fail_sweeps_in($node, 'fail1', 'audit_key_delete', 'audit log is full');
 is(expiring_keys($node, 'fail1', 'k', 3), '3', 'fail1: 3 keys past retention soon');
 
 # fail2: the table renamed away (by a superuser), in the transaction that

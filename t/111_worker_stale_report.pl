@@ -49,14 +49,7 @@ for my $db (qw(a b))
 	sql('postgres', "CREATE DATABASE $db");
 	sql($db, 'CREATE EXTENSION idempotency');
 }
-sql('a', <<'EOF');
-CREATE FUNCTION public.refuse_delete() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-	RAISE EXCEPTION 'a refuses to sweep';
-END $$;
-CREATE TRIGGER refuse_delete BEFORE DELETE ON idempotency.keys
-	FOR EACH ROW EXECUTE FUNCTION public.refuse_delete();
-EOF
+fail_sweeps_in($node, 'a', 'refuse_delete', 'a refuses to sweep');
 
 # An SQL expression: the pids of the sweepers of database $db that wait
 # for advisory lock 7655 ('' when none does).
@@ -97,13 +90,9 @@ sql('postgres',
 	"ALTER DATABASE b SET idempotency.test_pause = 'sweep-chunk-sorted'");
 is(expiring_keys($node, 'b', 'k', 1), '1', 'b: a key past its retention soon');
 my $log_offset = -s $node->logfile;
-is(sql('postgres', "SELECT pg_terminate_backend($launcher)"), 't',
-	'the launcher is terminated while a\'s sweeper is held');
-ok( $node->poll_query_until(
-		'postgres',
-		"SELECT count(*) = 1 FROM pg_stat_activity "
-		  . "WHERE backend_type = 'idempotency launcher' AND pid <> $launcher"),
-	'the postmaster starts a new launcher');
+my ($terminated, $restarted) = restart_launcher($node, $launcher);
+ok($terminated, 'the launcher is terminated while a\'s sweeper is held');
+ok($restarted, 'the postmaster starts a new launcher');
 my $b_sweeper =
   paused_sweeper('b', "b: the new launcher's sweeper waits before it writes");
 

@@ -30,7 +30,7 @@ our @EXPORT = qw(
   $CLAIM_COLS parse_claim claim replay_row mismatch_row body_md5 stored_row
   finish_key expiring_keys
   wait_lease_over wait_past_retention wait_commits wait_next_sweep
-  launcher_pid log_errors);
+  launcher_pid restart_launcher fail_sweeps_in log_errors);
 
 # --- servers -------------------------------------------------------------------
 
@@ -303,6 +303,33 @@ sub launcher_pid
 	return $node->safe_psql('postgres',
 		"SELECT pid FROM pg_stat_activity "
 		  . "WHERE backend_type = 'idempotency launcher'");
+}
+
+# Terminate the launcher whose pid is $pid and wait until the postmaster has
+# started a new one.  Returns (whether it was terminated, whether a new one
+# runs).
+sub restart_launcher
+{
+	my ($node, $pid) = @_;
+	my $terminated =
+	  $node->safe_psql('postgres', "SELECT pg_terminate_backend($pid)") eq 't';
+	my $new = $node->poll_query_until('postgres',
+		    "SELECT count(*) = 1 FROM pg_stat_activity "
+		  . "WHERE backend_type = 'idempotency launcher' AND pid <> $pid");
+	return ($terminated, $new);
+}
+
+# Make every sweep of database $db fail: a BEFORE DELETE trigger on
+# idempotency.keys, function and trigger named $name, raises $message.
+sub fail_sweeps_in
+{
+	my ($node, $db, $name, $message) = @_;
+	$node->safe_psql($db,
+		    "CREATE FUNCTION public.$name() RETURNS trigger LANGUAGE plpgsql AS "
+		  . "\$\$ BEGIN RAISE EXCEPTION '$message'; END \$\$;\n"
+		  . "CREATE TRIGGER $name BEFORE DELETE ON idempotency.keys "
+		  . "FOR EACH ROW EXECUTE FUNCTION public.$name();");
+	return;
 }
 
 # The lines of $node's server log that match $opt{pattern} (default: ERROR,
