@@ -34,7 +34,6 @@
 #include "miscadmin.h"
 #include "storage/latch.h"
 #include "storage/lmgr.h"
-#include "storage/procarray.h"
 #include "tcop/utility.h"
 #include "utils/builtins.h"
 #include "utils/datum.h"
@@ -708,17 +707,6 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 	{
 		(void) idem_store_lock(hash, true);
 		idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, row);
-
-		/*
-		 * The probe reads one row version after the other, so the change
-		 * it saw in flight may have committed or aborted before it read the
-		 * next version (it then saw the old version being changed, and the
-		 * new one plainly).  Under the key's lock no new change can start:
-		 * look again, once, at the settled state.
-		 */
-		if (row->busy && !TransactionIdIsInProgress(row->busy_xid))
-			idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, row);
-
 		if (!row->busy || row->locked || row->busy_token == 0 ||
 			row->busy_token != token)
 			break;

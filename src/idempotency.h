@@ -137,6 +137,9 @@ typedef enum IdemProbeMode
 } IdemProbeMode;
 
 extern void idem_store_check_member(Oid relid);
+extern Oid	idem_store_lock_relation(const char *name);
+extern void idem_store_refuse_replaced(const char *what) pg_attribute_noreturn();
+extern void idem_store_refuse_missing(const char *what) pg_attribute_noreturn();
 extern void idem_store_probe(text *scope, text *key, IdemProbeMode mode,
 							 bool want_body, IdemRow *row);
 extern bool idem_store_lock(uint64 hash, bool wait);

@@ -255,9 +255,9 @@ idem_store_check_member(Oid relid)
 				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
 }
 
-/* Raise 55000 for an extension object that is not as the extension made it. */
-static void
-store_replaced(const char *what)
+/* Raise 55000 for an extension object ("what") that is not as the extension made it. */
+void
+idem_store_refuse_replaced(const char *what)
 {
 	ereport(ERROR,
 			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
@@ -277,11 +277,11 @@ store_check_columns(Relation heap)
 	TupleDesc	desc = RelationGetDescr(heap);
 
 	if (desc->natts != NUM_COLS)
-		store_replaced("table \"idempotency.keys\"");
+		idem_store_refuse_replaced("table \"idempotency.keys\"");
 	for (int i = 0; i < NUM_COLS; i++)
 		if (TupleDescAttr(desc, i)->atttypid != types[i] ||
 			TupleDescAttr(desc, i)->attisdropped)
-			store_replaced("table \"idempotency.keys\"");
+			idem_store_refuse_replaced("table \"idempotency.keys\"");
 }
 
 /*
@@ -313,41 +313,73 @@ store_check_index(Oid indexid, Oid keys, int ncols, AttrNumber col1,
 				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
 }
 
+/* Raise 55000 for an extension object ("what") that is gone. */
+void
+idem_store_refuse_missing(const char *what)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("%s of extension \"idempotency\" is missing", what),
+			 errhint("Someone dropped the extension's objects; reinstall the extension.")));
+}
+
+static void store_refuse_not_installed(void) pg_attribute_noreturn();
+
+/* Raise 42704: the extension is not installed in this database. */
+static void
+store_refuse_not_installed(void)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_UNDEFINED_OBJECT),
+			 errmsg("extension \"idempotency\" is not installed in this database"),
+			 errhint("Run CREATE EXTENSION idempotency.")));
+}
+
 /*
- * Look the extension's relations up by name into *found, and lock each
- * (AccessShareLock, as every later use does) so that none can be dropped
- * or replaced before the transaction ends.  The schema name is fixed (the
- * extension is not relocatable), so no search_path is involved.
+ * The relation "name" of the extension's schema, locked AccessShareLock (as
+ * every use of it does) so that it cannot be dropped or replaced before the
+ * transaction ends; InvalidOid when there is none.  A name may point to a
+ * new relation by the time its lock is granted (a DROP and CREATE committed
+ * while we waited): as RangeVarGetRelidExtended does, the name is looked up
+ * again whenever invalidations arrived meanwhile.  The schema name is fixed
+ * (the extension is not relocatable), so no search_path is involved.
+ * Raises 42704 when the schema does not exist.
  */
+Oid
+idem_store_lock_relation(const char *name)
+{
+	for (;;)
+	{
+		uint64		inval_count = SharedInvalidMessageCounter;
+		Oid			nsp = get_namespace_oid("idempotency", true);
+		Oid			relid;
+
+		if (!OidIsValid(nsp))
+			store_refuse_not_installed();
+		relid = get_relname_relid(name, nsp);
+		if (!OidIsValid(relid))
+			return InvalidOid;
+		LockRelationOid(relid, AccessShareLock);
+		if (inval_count == SharedInvalidMessageCounter)
+			return relid;
+	}
+}
+
+/* Look the extension's relations up into *found, each locked. */
 static void
 store_find_rels(StoreRels *found)
 {
-	Oid			nsp = get_namespace_oid("idempotency", true);
-
 	memset(found, 0, sizeof(StoreRels));
-	if (OidIsValid(nsp))
-	{
-		found->keys = get_relname_relid("keys", nsp);
-		found->pkey = get_relname_relid("keys_pkey", nsp);
-		found->sweep_idx = get_relname_relid("keys_sweep_at_idx", nsp);
-		found->token_seq = get_relname_relid("token_seq", nsp);
-	}
-	if (!OidIsValid(nsp) || !OidIsValid(found->keys) ||
-		!OidIsValid(found->token_seq))
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_OBJECT),
-				 errmsg("extension \"idempotency\" is not installed in this database"),
-				 errhint("Run CREATE EXTENSION idempotency.")));
-	if (!OidIsValid(found->pkey) || !OidIsValid(found->sweep_idx))
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("index \"%s\" of extension \"idempotency\" is missing",
-						OidIsValid(found->pkey) ? "keys_sweep_at_idx" : "keys_pkey"),
-				 errhint("Someone dropped the extension's objects; reinstall the extension.")));
-	LockRelationOid(found->keys, AccessShareLock);
-	LockRelationOid(found->pkey, AccessShareLock);
-	LockRelationOid(found->sweep_idx, AccessShareLock);
-	LockRelationOid(found->token_seq, AccessShareLock);
+	found->keys = idem_store_lock_relation("keys");
+	found->token_seq = idem_store_lock_relation("token_seq");
+	if (!OidIsValid(found->keys) || !OidIsValid(found->token_seq))
+		store_refuse_not_installed();
+	found->pkey = idem_store_lock_relation("keys_pkey");
+	if (!OidIsValid(found->pkey))
+		idem_store_refuse_missing("index \"keys_pkey\"");
+	found->sweep_idx = idem_store_lock_relation("keys_sweep_at_idx");
+	if (!OidIsValid(found->sweep_idx))
+		idem_store_refuse_missing("index \"keys_sweep_at_idx\"");
 }
 
 /*
@@ -482,28 +514,36 @@ store_xmax_locks_other(uint16 infomask, TransactionId xmax)
 }
 
 /*
- * Is the tuple in "slot" (just fetched from its buffer) row-locked by
- * another running transaction?  Its header lives in a shared buffer that
- * other backends change under the buffer's lock (a locker sets xmax and
- * infomask, and an update marks the old version locked for a moment while
- * it finds room for the new one), so read it under a share lock.
+ * The infomask and raw xmax of the tuple in "slot" (just fetched from its
+ * buffer).  Its header lives in a shared buffer that other backends change
+ * under the buffer's lock (a locker sets xmax and infomask, and an update
+ * marks the old version locked for a moment while it finds room for the
+ * new one), so read it under a share lock.
  */
-static bool
-store_locked_by_other(TupleTableSlot *slot)
+static void
+store_read_xmax(TupleTableSlot *slot, uint16 *infomask, TransactionId *xmax)
 {
 	BufferHeapTupleTableSlot *bslot = (BufferHeapTupleTableSlot *) slot;
 	HeapTupleHeader tup;
-	uint16		infomask;
-	TransactionId xmax;
 
 	Assert(TTS_IS_BUFFERTUPLE(slot));
 	tup = bslot->base.tuple->t_data;
 	if (BufferIsValid(bslot->buffer))
 		LockBuffer(bslot->buffer, BUFFER_LOCK_SHARE);
-	infomask = tup->t_infomask;
-	xmax = HeapTupleHeaderGetRawXmax(tup);
+	*infomask = tup->t_infomask;
+	*xmax = HeapTupleHeaderGetRawXmax(tup);
 	if (BufferIsValid(bslot->buffer))
 		LockBuffer(bslot->buffer, BUFFER_LOCK_UNLOCK);
+}
+
+/* Is the tuple in "slot" row-locked by another running transaction? */
+static bool
+store_locked_by_other(TupleTableSlot *slot)
+{
+	uint16		infomask;
+	TransactionId xmax;
+
+	store_read_xmax(slot, &infomask, &xmax);
 	return store_xmax_locks_other(infomask, xmax);
 }
 
@@ -540,18 +580,12 @@ store_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 	row->busy = true;
 	if (TransactionIdIsValid(dirty->xmin))
 	{
-		BufferHeapTupleTableSlot *bslot = (BufferHeapTupleTableSlot *) slot;
-		HeapTupleHeader tup = bslot->base.tuple->t_data;
 		uint16		infomask;
+		TransactionId xmax;
 		bool		isnull;
 		Datum		token;
 
-		Assert(TTS_IS_BUFFERTUPLE(slot));
-		if (BufferIsValid(bslot->buffer))
-			LockBuffer(bslot->buffer, BUFFER_LOCK_SHARE);
-		infomask = tup->t_infomask;
-		if (BufferIsValid(bslot->buffer))
-			LockBuffer(bslot->buffer, BUFFER_LOCK_UNLOCK);
+		store_read_xmax(slot, &infomask, &xmax);
 		row->busy_xid = dirty->xmin;
 		if (!(infomask & HEAP_XMAX_INVALID) && !HEAP_XMAX_IS_LOCKED_ONLY(infomask))
 			return;				/* changed again by the same transaction */
@@ -576,17 +610,9 @@ store_slot_is_key(TupleTableSlot *slot, text *scope, text *key)
 		memcmp(VARDATA_ANY(k), VARDATA_ANY(key), VARSIZE_ANY_EXHDR(k)) == 0;
 }
 
-/*
- * Read one key through its primary key.
- *
- * IDEM_PROBE_LATEST reads with a dirty snapshot: it sees the newest
- * committed version and our own transaction's changes, and it marks the
- * row busy when another transaction has inserted, updated or deleted it
- * and not yet ended.  It never waits.  IDEM_PROBE_SNAPSHOT reads what the
- * active snapshot sees (idem_lookup, and hot standbys).
- */
-void
-idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
+/* One scan of the key's primary-key entries (idem_store_probe). */
+static void
+store_probe_once(text *scope, text *key, IdemProbeMode mode, bool want_body,
 				 IdemRow *row)
 {
 	Relation	heap;
@@ -652,6 +678,30 @@ idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
 	ExecDropSingleTupleTableSlot(slot);
 	index_close(index, NoLock);
 	table_close(heap, NoLock);
+}
+
+/*
+ * Read one key through its primary key.
+ *
+ * IDEM_PROBE_LATEST reads with a dirty snapshot: it sees the newest
+ * committed version and our own transaction's changes, and it marks the
+ * row busy when another transaction has inserted, updated or deleted it
+ * and not yet ended.  It never waits.  IDEM_PROBE_SNAPSHOT reads what the
+ * active snapshot sees (idem_lookup, and hot standbys).
+ *
+ * A scan reads the key's row versions one after the other, so the change
+ * it saw in flight may have committed or aborted before it read the next
+ * version: it then saw the old version being changed and the new one
+ * plainly, a state that never existed.  When the changing transaction has
+ * ended by the end of the scan, the key is read once more.
+ */
+void
+idem_store_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
+				 IdemRow *row)
+{
+	store_probe_once(scope, key, mode, want_body, row);
+	if (row->busy && !TransactionIdIsInProgress(row->busy_xid))
+		store_probe_once(scope, key, mode, want_body, row);
 }
 
 /*

@@ -17,19 +17,15 @@
 #include "postgres.h"
 
 #include "access/table.h"
-#include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "commands/trigger.h"
 #include "access/tableam.h"
 #include "executor/tuptable.h"
 #include "fmgr.h"
 #include "miscadmin.h"
-#include "storage/lmgr.h"
-#include "storage/sinval.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/inval.h"
-#include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
@@ -110,7 +106,6 @@ tenant_add(Binding **list, int *n, int *allocated, MemoryContext cxt,
 static void
 tenant_load(void)
 {
-	Oid			nsp;
 	Oid			relid;
 	Relation	rel;
 	TableScanDesc scan;
@@ -131,33 +126,14 @@ tenant_load(void)
 									 ALLOCSET_SMALL_SIZES);
 
 	/*
-	 * Find the table and lock it; look its name up again if invalidations
-	 * arrived meanwhile (a reinstall while we waited for the lock), as the
-	 * store does.  A missing table refuses the call: without it nobody can
-	 * tell which roles are bound.
+	 * A missing table refuses the call: without it nobody can tell which
+	 * roles are bound.
 	 */
-	for (;;)
-	{
-		uint64		inval_count = SharedInvalidMessageCounter;
-
-		nsp = get_namespace_oid("idempotency", true);
-		if (!OidIsValid(nsp))
-			ereport(ERROR,
-					(errcode(ERRCODE_UNDEFINED_OBJECT),
-					 errmsg("extension \"idempotency\" is not installed in this database"),
-					 errhint("Run CREATE EXTENSION idempotency.")));
-		relid = get_relname_relid("scope_bindings", nsp);
-		if (!OidIsValid(relid))
-			ereport(ERROR,
-					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-					 errmsg("table \"idempotency.scope_bindings\" of extension \"idempotency\" is missing"),
-					 errhint("Someone dropped the extension's objects; reinstall the extension.")));
-		/* The callback must recognise the table from here on. */
-		bindings_relid = relid;
-		LockRelationOid(relid, AccessShareLock);
-		if (inval_count == SharedInvalidMessageCounter)
-			break;
-	}
+	relid = idem_store_lock_relation("scope_bindings");
+	if (!OidIsValid(relid))
+		idem_store_refuse_missing("table \"idempotency.scope_bindings\"");
+	/* The callback recognises the table from here on. */
+	bindings_relid = relid;
 	/* Invalidations queued before the lock are in what we read now. */
 	invalidated_during_load = false;
 	idem_store_check_member(relid);
@@ -165,10 +141,7 @@ tenant_load(void)
 	if (RelationGetNumberOfAttributes(rel) != 2 ||
 		TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
 		TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("table \"idempotency.scope_bindings\" is not as extension \"idempotency\" created it"),
-				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
+		idem_store_refuse_replaced("table \"idempotency.scope_bindings\"");
 	snapshot = RegisterSnapshot(GetLatestSnapshot());
 	slot = table_slot_create(rel, NULL);
 	scan = table_beginscan(rel, snapshot, 0, NULL);
