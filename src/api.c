@@ -6,18 +6,17 @@
  *
  * Owns argument checking (every bad input is an ERROR with its own
  * SQLSTATE, raised before anything is read or written), the outcome rules,
- * the wait loop, the result rows and the counters.  Reads and writes go
- * through store.c.
+ * the wait loop, the result rows and the counters.  Reads go through
+ * row.c, writes through write.c, under the key's lock (keylock.c).
  *
  * The claim protocol, in short: a lock-free probe of the newest row
  * answers replay, mismatch and in_progress without writing or locking
  * anything.  Only a claim that must write (a new key, a key past its
  * retention, a takeover) takes the key's advisory lock without waiting,
  * probes again under it (skipped for a key that was absent when nothing
- * was inserted since: see claim_once), writes, and releases the lock at
- * once.  A row
- * that another transaction is changing is never waited on: it answers
- * in_progress.
+ * was written since: see claim_once), writes, and releases the lock at
+ * once.  A row that another transaction is changing is never waited on:
+ * it answers in_progress.
  *
  *-------------------------------------------------------------------------
  */
@@ -443,13 +442,13 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	uint64		writes_now;
 	bool		counted;
 
-	counted = idem_wait_write_count(args->hash, &writes_before);
-	idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
+	counted = idem_key_write_count(args->hash, &writes_before);
+	idem_row_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	if (claim_decide(args, &row, now, res) == ACTION_ANSWER)
 		return;
 
 	/* Another backend is in this key's critical section right now. */
-	if (!idem_store_lock(args->hash, false))
+	if (!idem_key_lock(args->hash, false))
 	{
 		(void) claim_answer_busy(res);
 		return;
@@ -458,13 +457,13 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 	/*
 	 * Under the lock nobody else can start changing the key: look again,
 	 * unless the key was absent and no key of its slice was written since
-	 * we looked (wait.c, idem_wait_write_count; a fresh key is the common
+	 * we looked (keylock.c, idem_key_write_count; a fresh key is the common
 	 * case, and this saves its second index descent).
 	 */
 	if (row.found || row.busy || !counted ||
-		!idem_wait_write_count(args->hash, &writes_now) ||
+		!idem_key_write_count(args->hash, &writes_now) ||
 		writes_now != writes_before)
-		idem_store_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
+		idem_row_probe(args->scope, args->key, IDEM_PROBE_LATEST, true, &row);
 	action = claim_decide(args, &row, now, res);
 	if (action != ACTION_ANSWER)
 	{
@@ -474,32 +473,32 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 		Interval   *retention;
 		int64		token;
 
-		idem_store_check_snapshot(&row);
+		idem_row_check_snapshot(&row);
 
 		lease = args->lease ? args->lease : interval_from_ms(idem_lease_ms);
 		retention = args->retention ? args->retention :
 			interval_from_ms((int64) idem_retention_s * 1000);
 		lease_until = add_interval(now, lease);
 		expires_at = Max(add_interval(now, retention), lease_until);
-		token = idem_store_next_token();
+		token = idem_write_next_token();
 
 		if (!row.found)
-			idem_store_insert_claim(args->scope, args->key, token,
+			idem_write_insert_claim(args->scope, args->key, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									now, lease_until, expires_at, retention);
 		else
-			idem_store_update_claim(&row, token,
+			idem_write_update_claim(&row, token,
 									action == ACTION_FRESH ? 1 : row.attempt + 1,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention);
-		idem_wait_wrote(args->hash);
+		idem_key_wrote(args->hash);
 
 		res->outcome = OUTCOME_CLAIMED;
 		res->token = token;
 		res->attempt = action == ACTION_FRESH ? 1 : row.attempt + 1;
 	}
-	idem_store_unlock(args->hash);
+	idem_key_unlock(args->hash);
 }
 
 /*
@@ -675,51 +674,89 @@ idem_claim(PG_FUNCTION_ARGS)
  * ---------------------------------------------------------------------
  */
 
-typedef enum TokenCall
+typedef enum TokenCallKind
 {
 	CALL_FINISH,
 	CALL_EXTEND,
 	CALL_RELEASE
-} TokenCall;
+} TokenCallKind;
 
 static const char *const call_names[] = {"finish", "extend", "release"};
+static const char *const call_functions[] = {
+	"idem_finish()", "idem_extend()", "idem_release()"
+};
+
+/* One token-holder's call: its key and token, then the key as probed. */
+typedef struct TokenCall
+{
+	TokenCallKind kind;
+	text	   *key;
+	text	   *scope;
+	int64		token;
+	uint64		hash;
+	TimestampTz now;			/* the wall clock the call is judged by */
+	IdemRow		row;
+} TokenCall;
 
 /*
- * Lock the key and probe it for a call made with "token".  Raises the
- * documented error for every case in which the call may not proceed.
- * Returns false (with the lock still held) only for a finish repeated with
- * the token that finished the key: the caller answers from *row.
+ * Check the arguments every token call has: the key (argument "key_arg"),
+ * the token (argument 1) and the scope ("scope_arg").
+ */
+static void
+token_call_args(FunctionCallInfo fcinfo, TokenCallKind kind, int key_arg,
+				int scope_arg, TokenCall *call)
+{
+	call->kind = kind;
+	call->key = arg_name(fcinfo, key_arg, "key", false);
+	call->scope = arg_name(fcinfo, scope_arg, "scope", true);
+	arg_not_null(fcinfo, 1, "token");
+	call->token = PG_GETARG_INT64(1);
+}
+
+/*
+ * Lock the key and probe it for the call, once all its arguments are
+ * checked.  Raises the documented error for every case in which the call
+ * may not proceed.  Returns false (with the lock still held) only for a
+ * finish repeated with the token that finished the key: the caller answers
+ * from call->row.
  *
- * Another transaction's change that keeps "token" current (a sweep moving
- * the row's sweep_at, or an extend or finish made with this same token
- * elsewhere) is waited for: without the key's lock, so that the wait can
- * never close a cycle through it, and then the key is probed afresh.  A
- * takeover, reset or release in flight is not: it raises at once, since
- * the token is as good as dead.  *now is the wall clock the call is judged
- * by: read again after a wait, so that a key whose retention passed
- * meanwhile is absent, and leases and expiries count from the write.
+ * Another transaction's change that keeps the token current (a sweep
+ * moving the row's sweep_at, or an extend or finish made with this same
+ * token elsewhere) is waited for: without the key's lock, so that the wait
+ * can never close a cycle through it, and then the key is probed afresh.
+ * A takeover, reset or release in flight is not: it raises at once, since
+ * the token is as good as dead.  call->now is read again after a wait, so
+ * that a key whose retention passed meanwhile is absent, and leases and
+ * expiries count from the write.
  */
 static bool
-token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
-				 int64 token, IdemRow *row, TimestampTz *now)
+token_call_begin(TokenCall *call)
 {
+	IdemRow    *row = &call->row;
+	text	   *key = call->key;
+	text	   *scope = call->scope;
+
+	PreventCommandDuringRecovery(call_functions[call->kind]);
+	idem_tenant_check(scope);
+	call->hash = idem_key_hash(scope, key);
+	call->now = GetCurrentTimestamp();
 	for (;;)
 	{
-		(void) idem_store_lock(hash, true);
-		idem_store_probe(scope, key, IDEM_PROBE_LATEST, false, row);
+		(void) idem_key_lock(call->hash, true);
+		idem_row_probe(scope, key, IDEM_PROBE_LATEST, false, row);
 		if (!row->busy || row->locked || row->busy_token == 0 ||
-			row->busy_token != token)
+			row->busy_token != call->token)
 			break;
-		idem_store_unlock(hash);
+		idem_key_unlock(call->hash);
 		XactLockTableWait(row->busy_xid, NULL, NULL, XLTW_None);
-		*now = GetCurrentTimestamp();
+		call->now = GetCurrentTimestamp();
 	}
 
 	if (row->busy || row->locked)
 		ereport(ERROR,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
-				 errmsg("could not %s idempotency key %s", call_names[call],
-						key_display(scope, key)),
+				 errmsg("could not %s idempotency key %s",
+						call_names[call->kind], key_display(scope, key)),
 				 row->locked ?
 				 errdetail("Another transaction holds a row lock on this key.") :
 				 !row->busy_new ?
@@ -730,7 +767,7 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 				 row->locked ?
 				 errhint("Retry once that transaction has ended.") :
 				 errhint("If that transaction commits, this token is no longer current.")));
-	if (!row->found || row->expires_at <= *now)
+	if (!row->found || row->expires_at <= call->now)
 		ereport(ERROR,
 				(errcode(ERRCODE_NO_DATA_FOUND),
 				 errmsg("idempotency key %s does not exist",
@@ -738,26 +775,27 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
 				 errdetail("It was never claimed, was released, or its retention has passed.")));
 	if (row->status != IDEM_PENDING)
 	{
-		if (call == CALL_FINISH && row->has_token && row->token == token)
+		if (call->kind == CALL_FINISH && row->has_token &&
+			row->token == call->token)
 			return false;
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idempotency key %s is already finished",
 						key_display(scope, key)),
-				 call == CALL_FINISH ?
+				 call->kind == CALL_FINISH ?
 				 errdetail("Another attempt stored its result.") :
 				 errdetail("Its status is \"%s\".", idem_status_names[row->status])));
 	}
-	if (!row->has_token || row->token != token)
+	if (!row->has_token || row->token != call->token)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_IN_USE),
 				 errmsg("token " INT64_FORMAT " is not the current token of idempotency key %s",
-						token, key_display(scope, key)),
+						call->token, key_display(scope, key)),
 				 row->has_token ?
 				 errdetail("Attempt %d holds the key now.", row->attempt) :
 				 errdetail("The sweeper reset the key after its lease ended."),
 				 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
-	idem_store_check_snapshot(row);
+	idem_row_check_snapshot(row);
 	return true;
 }
 
@@ -766,10 +804,10 @@ token_call_begin(TokenCall call, text *scope, text *key, uint64 hash,
  * key's lock go.
  */
 static void
-token_call_end(uint64 hash)
+token_call_end(const TokenCall *call)
 {
-	idem_wait_wrote(hash);
-	idem_store_unlock(hash);
+	idem_key_wrote(call->hash);
+	idem_key_unlock(call->hash);
 }
 
 /*
@@ -779,39 +817,29 @@ token_call_end(uint64 hash)
 Datum
 idem_finish(PG_FUNCTION_ARGS)
 {
-	text	   *key = arg_name(fcinfo, 0, "key", false);
-	text	   *scope = arg_name(fcinfo, 4, "scope", true);
-	int64		token;
+	TokenCall	call;
 	Datum		body;
 	IdemStatus	status;
 	Interval   *retention;
-	TimestampTz now;
 	TimestampTz expires_at;
-	uint64		hash;
-	IdemRow		row;
 
-	arg_not_null(fcinfo, 1, "token");
-	token = PG_GETARG_INT64(1);
+	token_call_args(fcinfo, CALL_FINISH, 0, 4, &call);
 	body = arg_response_body(fcinfo, 3);
 	status = arg_status(fcinfo, 5);
 	retention = arg_interval(fcinfo, 6);
 	check_positive(retention, "retention");
-	PreventCommandDuringRecovery("idem_finish()");
-	idem_tenant_check(scope);
 
-	hash = idem_key_hash(scope, key);
-	now = GetCurrentTimestamp();
-	if (!token_call_begin(CALL_FINISH, scope, key, hash, token, &row, &now))
+	if (!token_call_begin(&call))
 	{
-		idem_store_unlock(hash);
-		PG_RETURN_TIMESTAMPTZ(row.expires_at);
+		idem_key_unlock(call.hash);
+		PG_RETURN_TIMESTAMPTZ(call.row.expires_at);
 	}
-
-	expires_at = add_interval(now, retention ? retention : &row.retention);
-	idem_store_finish(&row, status, !PG_ARGISNULL(2),
-					  PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2), body, now,
-					  expires_at);
-	token_call_end(hash);
+	expires_at = add_interval(call.now,
+							  retention ? retention : &call.row.retention);
+	idem_write_finish(&call.row, status, !PG_ARGISNULL(2),
+					  PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2), body,
+					  call.now, expires_at);
+	token_call_end(&call);
 	idem_stats_count(IDEM_STAT_FINISHES, 1);
 
 	PG_RETURN_TIMESTAMPTZ(expires_at);
@@ -821,32 +849,21 @@ idem_finish(PG_FUNCTION_ARGS)
 Datum
 idem_extend(PG_FUNCTION_ARGS)
 {
-	text	   *key = arg_name(fcinfo, 0, "key", false);
-	text	   *scope = arg_name(fcinfo, 3, "scope", true);
-	int64		token;
+	TokenCall	call;
 	Interval   *lease;
-	TimestampTz now;
 	TimestampTz lease_until;
 	TimestampTz expires_at;
-	uint64		hash;
-	IdemRow		row;
 
-	arg_not_null(fcinfo, 1, "token");
-	token = PG_GETARG_INT64(1);
+	token_call_args(fcinfo, CALL_EXTEND, 0, 3, &call);
 	lease = arg_interval(fcinfo, 2);
 	check_positive(lease, "lease");
-	PreventCommandDuringRecovery("idem_extend()");
-	idem_tenant_check(scope);
 
-	hash = idem_key_hash(scope, key);
-	now = GetCurrentTimestamp();
-	(void) token_call_begin(CALL_EXTEND, scope, key, hash, token, &row, &now);
-
-	lease_until = add_interval(now, lease ? lease :
+	(void) token_call_begin(&call);
+	lease_until = add_interval(call.now, lease ? lease :
 							   interval_from_ms(idem_lease_ms));
-	expires_at = Max(add_interval(now, &row.retention), lease_until);
-	idem_store_extend(&row, lease_until, expires_at);
-	token_call_end(hash);
+	expires_at = Max(add_interval(call.now, &call.row.retention), lease_until);
+	idem_write_extend(&call.row, lease_until, expires_at);
+	token_call_end(&call);
 
 	PG_RETURN_TIMESTAMPTZ(lease_until);
 }
@@ -855,23 +872,13 @@ idem_extend(PG_FUNCTION_ARGS)
 Datum
 idem_release(PG_FUNCTION_ARGS)
 {
-	text	   *key = arg_name(fcinfo, 0, "key", false);
-	text	   *scope = arg_name(fcinfo, 2, "scope", true);
-	int64		token;
-	uint64		hash;
-	IdemRow		row;
-	TimestampTz now;
+	TokenCall	call;
 
-	arg_not_null(fcinfo, 1, "token");
-	token = PG_GETARG_INT64(1);
-	PreventCommandDuringRecovery("idem_release()");
-	idem_tenant_check(scope);
+	token_call_args(fcinfo, CALL_RELEASE, 0, 2, &call);
 
-	hash = idem_key_hash(scope, key);
-	now = GetCurrentTimestamp();
-	(void) token_call_begin(CALL_RELEASE, scope, key, hash, token, &row, &now);
-	idem_store_delete(&row);
-	token_call_end(hash);
+	(void) token_call_begin(&call);
+	idem_write_release(&call.row);
+	token_call_end(&call);
 	idem_stats_count(IDEM_STAT_RELEASES, 1);
 
 	PG_RETURN_VOID();
@@ -899,7 +906,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 
 	idem_tenant_check(scope);
 	result_init(fcinfo);
-	idem_store_probe(scope, key, IDEM_PROBE_SNAPSHOT, true, &row);
+	idem_row_probe(scope, key, IDEM_PROBE_SNAPSHOT, true, &row);
 	if (!row.found || row.expires_at <= GetCurrentTimestamp())
 		PG_RETURN_VOID();
 

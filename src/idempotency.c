@@ -35,6 +35,7 @@ idem_shmem_request(void)
 	if (prev_shmem_request_hook)
 		prev_shmem_request_hook();
 	idem_wait_shmem_request();
+	idem_key_shmem_request();
 	idem_stats_shmem_request();
 	idem_worker_shmem_request();
 }
@@ -47,6 +48,7 @@ idem_shmem_startup(void)
 		prev_shmem_startup_hook();
 	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
 	idem_wait_shmem_startup();
+	idem_key_shmem_startup();
 	idem_stats_shmem_startup();
 	idem_worker_shmem_startup();
 	LWLockRelease(AddinShmemInitLock);

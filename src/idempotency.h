@@ -7,11 +7,14 @@
  *	  idempotency.c  module entry point: _PG_init calls each part's init
  *	  guc.c          the idempotency.* settings
  *	  fingerprint.c  SHA-256 request fingerprints and lock hashes
- *	  store.c        the key store: relation lookup, index probe, the
- *	                 per-key advisory lock and the prepared SPI writes
+ *	  catalog.c      the key store's relations, found and checked
+ *	  row.c          reading keys: the index probe, fetches, the sweep's scan
+ *	  write.c        every change to a key, by one table of write rules;
+ *	                 the fencing token sequence
+ *	  direct.c       the table-AM writer behind write.c (store.h)
+ *	  keylock.c      the per-key advisory lock and the write counters
  *	  wait.c         waiting for an in-flight attempt: shared-memory
- *	                 waiter slots and the wake-up at commit or abort;
- *	                 the per-hash write counters
+ *	                 waiter slots and the wake-up at commit or abort
  *	  stats.c        shared-memory counters behind the idempotency.stats view
  *	  worker.c       the background sweeper (launcher + per-database worker)
  *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
@@ -43,7 +46,7 @@ typedef enum IdemStatus
 	IDEM_NSTATUS
 } IdemStatus;
 
-/* The SQL name of each status (store.c), and the status of a name. */
+/* The SQL name of each status (row.c), and the status of a name. */
 extern const char *const idem_status_names[IDEM_NSTATUS];
 extern bool idem_status_parse(const char *name, int len, IdemStatus *status);
 
@@ -74,17 +77,7 @@ extern void idem_pause(const char *point);
 extern void idem_fingerprint(Datum jsonb, uint8 *out);
 extern uint64 idem_key_hash(text *scope, text *key);
 
-/* ---- store.c ---- */
-
-/*
- * An open store section (idem_store_begin .. idem_store_end): the identity
- * to restore at its end, kept by the caller.
- */
-typedef struct IdemStoreSection
-{
-	Oid			saved_userid;
-	int			saved_sec_context;
-} IdemStoreSection;
+/* ---- row.c ---- */
 
 /*
  * One key as the store last saw it.  "found" is false when no committed
@@ -136,36 +129,10 @@ typedef enum IdemProbeMode
 	IDEM_PROBE_SNAPSHOT			/* the active MVCC snapshot (lookup) */
 } IdemProbeMode;
 
-extern void idem_store_check_member(Oid relid);
-extern Oid	idem_store_lock_relation(const char *name);
-extern void idem_store_refuse_replaced(const char *what) pg_attribute_noreturn();
-extern void idem_store_refuse_missing(const char *what) pg_attribute_noreturn();
-extern void idem_store_probe(text *scope, text *key, IdemProbeMode mode,
-							 bool want_body, IdemRow *row);
-extern bool idem_store_lock(uint64 hash, bool wait);
-extern void idem_store_unlock(uint64 hash);
-extern int64 idem_store_next_token(void);
-extern void idem_store_check_snapshot(const IdemRow *row);
+extern void idem_row_probe(text *scope, text *key, IdemProbeMode mode,
+						   bool want_body, IdemRow *row);
+extern void idem_row_check_snapshot(const IdemRow *row);
 
-extern void idem_store_begin(IdemStoreSection *section);
-extern void idem_store_end(IdemStoreSection *section);
-extern void idem_store_insert_claim(text *scope, text *key, int64 token,
-									const uint8 *fingerprint,
-									TimestampTz now, TimestampTz lease_until,
-									TimestampTz expires_at,
-									Interval *retention);
-extern void idem_store_update_claim(const IdemRow *row, int64 token,
-									int32 attempt, const uint8 *fingerprint,
-									TimestampTz created_at,
-									TimestampTz lease_until,
-									TimestampTz expires_at,
-									Interval *retention);
-extern void idem_store_finish(const IdemRow *row, IdemStatus status,
-							  bool has_code, int32 code, Datum body,
-							  TimestampTz now, TimestampTz expires_at);
-extern void idem_store_extend(const IdemRow *row, TimestampTz lease_until,
-							  TimestampTz expires_at);
-extern void idem_store_delete(const IdemRow *row);
 /* An open table for a run of fetches by tid (the sweeper's). */
 typedef struct IdemFetch
 {
@@ -173,10 +140,39 @@ typedef struct IdemFetch
 	struct TupleTableSlot *slot;
 } IdemFetch;
 
-extern void idem_store_fetch_begin(IdemFetch *fetch);
-extern void idem_store_fetch(IdemFetch *fetch, ItemPointer tid, text *scope,
-							 text *key, IdemRow *row);
-extern void idem_store_fetch_end(IdemFetch *fetch);
+extern void idem_row_fetch_begin(IdemFetch *fetch);
+extern void idem_row_fetch(IdemFetch *fetch, ItemPointer tid, text *scope,
+						   text *key, IdemRow *row);
+extern void idem_row_fetch_end(IdemFetch *fetch);
+extern int	idem_row_sweep_candidates(TimestampTz now, int limit,
+									  ItemPointerData **tids,
+									  text ***scopes, text ***keys);
+
+/* ---- catalog.c ---- */
+extern Oid	idem_catalog_lock_relation(const char *name);
+extern void idem_catalog_check_member(Oid relid);
+extern void idem_catalog_refuse_replaced(const char *what) pg_attribute_noreturn();
+extern void idem_catalog_refuse_missing(const char *what) pg_attribute_noreturn();
+
+/* ---- write.c ---- */
+extern int64 idem_write_next_token(void);
+extern void idem_write_insert_claim(text *scope, text *key, int64 token,
+									const uint8 *fingerprint,
+									TimestampTz now, TimestampTz lease_until,
+									TimestampTz expires_at,
+									Interval *retention);
+extern void idem_write_update_claim(const IdemRow *old, int64 token,
+									int32 attempt, const uint8 *fingerprint,
+									TimestampTz created_at,
+									TimestampTz lease_until,
+									TimestampTz expires_at,
+									Interval *retention);
+extern void idem_write_finish(const IdemRow *old, IdemStatus status,
+							  bool has_code, int32 code, Datum body,
+							  TimestampTz now, TimestampTz expires_at);
+extern void idem_write_extend(const IdemRow *old, TimestampTz lease_until,
+							  TimestampTz expires_at);
+extern void idem_write_release(const IdemRow *old);
 
 /* What a sweep does to a row. */
 typedef enum IdemSweepWork
@@ -187,11 +183,23 @@ typedef enum IdemSweepWork
 	IDEM_SWEEP_NKINDS
 } IdemSweepWork;
 
-extern int	idem_store_sweep_apply(IdemSweepWork work, ItemPointerData *tids,
-								  int n, TimestampTz now);
-extern int	idem_store_sweep_candidates(TimestampTz now, int limit,
-										ItemPointerData **tids,
-										text ***scopes, text ***keys);
+/* One row a sweep writes: its version, and its new sweep_at (not a delete). */
+typedef struct IdemSweepItem
+{
+	ItemPointerData tid;
+	TimestampTz sweep_at;
+} IdemSweepItem;
+
+extern int	idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items,
+							 int n);
+
+/* ---- keylock.c ---- */
+extern void idem_key_shmem_request(void);
+extern void idem_key_shmem_startup(void);
+extern bool idem_key_lock(uint64 hash, bool wait);
+extern void idem_key_unlock(uint64 hash);
+extern void idem_key_wrote(uint64 hash);
+extern bool idem_key_write_count(uint64 hash, uint64 *count);
 
 /* ---- wait.c ---- */
 
@@ -212,8 +220,7 @@ extern void idem_wait_shmem_startup(void);
 extern void idem_wait_init(void);
 extern void idem_wait_register(uint64 hash, IdemWaitRegistration *reg);
 extern void idem_wait_unregister(const IdemWaitRegistration *reg);
-extern void idem_wait_wrote(uint64 hash);
-extern bool idem_wait_write_count(uint64 hash, uint64 *count);
+extern void idem_wait_remember(uint64 hash);
 
 /* ---- stats.c ---- */
 

@@ -26,6 +26,27 @@
 /* Keys locked and written together (advisory locks held at once). */
 #define SWEEP_CHUNK			128
 
+/* Is the key pending under a lease that still runs at "now"? */
+static bool
+sweep_lease_runs(const IdemRow *row, TimestampTz now)
+{
+	return row->status == IDEM_PENDING && row->has_token &&
+		row->lease_until > now;
+}
+
+/*
+ * When a key needs the sweeper next, once "kind" is done to it: at the end
+ * of a running lease, else when its retention passes (a reset key has no
+ * lease left).
+ */
+static TimestampTz
+sweep_due(const IdemRow *row, IdemSweepWork kind, TimestampTz now)
+{
+	if (kind != IDEM_SWEEP_RESET && sweep_lease_runs(row, now))
+		return row->lease_until;
+	return row->expires_at;
+}
+
 /*
  * Sweep up to "n" candidate keys (n <= SWEEP_CHUNK) as one chunk: take each
  * key's lock without waiting, re-read its row version under the lock, sort
@@ -41,40 +62,38 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 			TimestampTz now, int batch, int64 *expired, int64 *reset)
 {
 	uint64		locked[SWEEP_CHUNK];
-	ItemPointerData work[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
+	IdemSweepItem work[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
 	uint64		work_hash[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
 	int			nwork[IDEM_SWEEP_NKINDS] = {0};
 	int			done[IDEM_SWEEP_NKINDS];
 	int			nlocked = 0;
 	IdemFetch	fetch;
 
-	idem_store_fetch_begin(&fetch);
+	idem_row_fetch_begin(&fetch);
 	for (int i = 0; i < n; i++)
 	{
 		uint64		hash = idem_key_hash(scopes[i], keys[i]);
 		IdemRow		row;
-		bool		live_lease;
 		IdemSweepWork kind;
 
-		if (!idem_store_lock(hash, false))
+		if (!idem_key_lock(hash, false))
 			continue;			/* someone is in its critical section */
 		locked[nlocked++] = hash;
 
-		idem_store_fetch(&fetch, &tids[i], scopes[i], keys[i], &row);
+		idem_row_fetch(&fetch, &tids[i], scopes[i], keys[i], &row);
 		if (!row.found || row.busy || row.locked ||
 			(row.mine && row.status == IDEM_PENDING))
 			continue;
-		idem_store_check_snapshot(&row);
+		idem_row_check_snapshot(&row);
 
-		live_lease = row.status == IDEM_PENDING && row.has_token &&
-			row.lease_until > now;
-		if (row.expires_at <= now && !live_lease)
+		if (row.expires_at <= now && !sweep_lease_runs(&row, now))
 		{
 			if (*expired + nwork[IDEM_SWEEP_DELETE] >= batch)
 				continue;
 			kind = IDEM_SWEEP_DELETE;
 		}
-		else if (row.status == IDEM_PENDING && row.has_token && !live_lease)
+		else if (row.status == IDEM_PENDING && row.has_token &&
+				 !sweep_lease_runs(&row, now))
 		{
 			if (*reset + nwork[IDEM_SWEEP_RESET] >= batch)
 				continue;
@@ -82,24 +101,26 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 		}
 		else
 			kind = IDEM_SWEEP_RESCHEDULE;
-		work[kind][nwork[kind]] = row.tid;
+		work[kind][nwork[kind]].tid = row.tid;
+		work[kind][nwork[kind]].sweep_at =
+			sweep_due(&row, kind, now);
 		work_hash[kind][nwork[kind]++] = hash;
 	}
 
-	idem_store_fetch_end(&fetch);
+	idem_row_fetch_end(&fetch);
 	/* The chunk is sorted; nothing is written yet. */
 	IDEM_PAUSE("sweep-chunk-sorted");
 
 	for (int kind = 0; kind < IDEM_SWEEP_NKINDS; kind++)
 	{
-		done[kind] = idem_store_sweep_apply((IdemSweepWork) kind, work[kind],
-											nwork[kind], now);
-		/* Counted whether or not a direct delete skipped the row. */
+		done[kind] = idem_write_sweep((IdemSweepWork) kind, work[kind],
+									  nwork[kind]);
+		/* Counted whether or not the write skipped the row. */
 		for (int i = 0; i < nwork[kind]; i++)
-			idem_wait_wrote(work_hash[kind][i]);
+			idem_key_wrote(work_hash[kind][i]);
 	}
 	for (int i = 0; i < nlocked; i++)
-		idem_store_unlock(locked[i]);
+		idem_key_unlock(locked[i]);
 
 	*expired += done[IDEM_SWEEP_DELETE];
 	*reset += done[IDEM_SWEEP_RESET];
@@ -124,12 +145,10 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 	int			limit = (int) Min((int64) batch * 2, (int64) PG_INT32_MAX);
 	bool		more = false;
 	MemoryContext fetch_cxt;
-	IdemStoreSection section;
 
 	*expired = 0;
 	*reset = 0;
 
-	idem_store_begin(&section);
 	fetch_cxt = AllocSetContextCreate(CurrentMemoryContext,
 									  "idempotency sweep fetch",
 									  ALLOCSET_DEFAULT_SIZES);
@@ -145,7 +164,7 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 		CHECK_FOR_INTERRUPTS();
 		MemoryContextReset(fetch_cxt);
 		old = MemoryContextSwitchTo(fetch_cxt);
-		n = idem_store_sweep_candidates(now, limit, &tids, &scopes, &keys);
+		n = idem_row_sweep_candidates(now, limit, &tids, &scopes, &keys);
 		MemoryContextSwitchTo(old);
 		for (int i = 0; i < n && *expired < batch && *reset < batch;
 			 i += SWEEP_CHUNK)
@@ -161,7 +180,6 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 			break;
 	}
 	MemoryContextDelete(fetch_cxt);
-	idem_store_end(&section);
 
 	idem_stats_count(IDEM_STAT_EXPIRED, *expired);
 	idem_stats_count(IDEM_STAT_RESET, *reset);

@@ -129,19 +129,19 @@ tenant_load(void)
 	 * A missing table refuses the call: without it nobody can tell which
 	 * roles are bound.
 	 */
-	relid = idem_store_lock_relation("scope_bindings");
+	relid = idem_catalog_lock_relation("scope_bindings");
 	if (!OidIsValid(relid))
-		idem_store_refuse_missing("table \"idempotency.scope_bindings\"");
+		idem_catalog_refuse_missing("table \"idempotency.scope_bindings\"");
 	/* The callback recognises the table from here on. */
 	bindings_relid = relid;
 	/* Invalidations queued before the lock are in what we read now. */
 	invalidated_during_load = false;
-	idem_store_check_member(relid);
+	idem_catalog_check_member(relid);
 	rel = table_open(relid, NoLock);
 	if (RelationGetNumberOfAttributes(rel) != 2 ||
 		TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
 		TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
-		idem_store_refuse_replaced("table \"idempotency.scope_bindings\"");
+		idem_catalog_refuse_replaced("table \"idempotency.scope_bindings\"");
 	snapshot = RegisterSnapshot(GetLatestSnapshot());
 	slot = table_slot_create(rel, NULL);
 	scan = table_beginscan(rel, snapshot, 0, NULL);

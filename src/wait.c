@@ -10,12 +10,6 @@
  * of each backend waiting for one of them in this database.  The waiter
  * then probes again.  Without shared_preload_libraries there are no slots:
  * waiters poll instead (api.c), and this file only keeps its bookkeeping.
- * Also owns the write counters: one shared counter per slice of the key
- * hash space, moved by every write of a key (insert, update or delete),
- * after the row version and its index entries are in place and before the
- * key's lock is released, so that a claim can tell that no key of its slice
- * was written between its lock-free probe and taking the lock
- * (idem_wait_write_count).
  * Must not decide outcomes or touch the table.
  *
  *-------------------------------------------------------------------------
@@ -36,9 +30,6 @@
 /* Keys remembered per transaction before we fall back to "wake all". */
 #define WAIT_TOUCHED_MAX	64
 
-/* Write counters: a power of two; keys share one when hash % N is equal. */
-#define WAIT_WRITE_COUNTERS		4096
-
 typedef struct WaitSlot
 {
 	pg_atomic_uint64 hash;		/* key waited for, 0 = not waiting */
@@ -47,7 +38,6 @@ typedef struct WaitSlot
 
 typedef struct WaitShared
 {
-	pg_atomic_uint64 writes[WAIT_WRITE_COUNTERS];	/* writes per hash slice */
 	pg_atomic_uint32 nwaiting;	/* slots with a non-zero hash */
 	int			nslots;
 	WaitSlot	slots[FLEXIBLE_ARRAY_MEMBER];
@@ -97,8 +87,6 @@ idem_wait_shmem_startup(void)
 	if (!found)
 	{
 		pg_atomic_init_u32(&wait_shared->nwaiting, 0);
-		for (int i = 0; i < WAIT_WRITE_COUNTERS; i++)
-			pg_atomic_init_u64(&wait_shared->writes[i], 0);
 		wait_shared->nslots = wait_nslots();
 		for (int i = 0; i < wait_shared->nslots; i++)
 		{
@@ -258,19 +246,13 @@ idem_wait_unregister(const IdemWaitRegistration *reg)
 }
 
 /*
- * The current transaction wrote the key "hash" (inserted, updated or
- * deleted its row), under the key's lock, which it still holds: move the
- * key's write counter, and remember the key so that its waiters are woken
- * when the transaction ends.
+ * The current transaction wrote the key "hash": remember it, so that the
+ * key's waiters are woken when the transaction ends.
  */
 void
-idem_wait_wrote(uint64 hash)
+idem_wait_remember(uint64 hash)
 {
-	if (wait_shared == NULL)
-		return;
-	/* a full barrier: the row version is in place before the count moves */
-	pg_atomic_fetch_add_u64(&wait_shared->writes[hash % WAIT_WRITE_COUNTERS], 1);
-	if (touched_overflow)
+	if (wait_shared == NULL || touched_overflow)
 		return;
 	for (int i = 0; i < ntouched; i++)
 		if (touched[i] == hash)
@@ -279,39 +261,4 @@ idem_wait_wrote(uint64 hash)
 		touched[ntouched++] = hash;
 	else
 		touched_overflow = true;
-}
-
-/*
- * Read the write counter of the key "hash" into *count; false without
- * preloading (no counters).  A claim whose lock-free probe found the key
- * absent (no row, and none being changed) uses it to skip its second probe
- * under the key's lock.  That probe is an index scan with a dirty snapshot,
- * which can miss a row only when the row is written while it runs: a new
- * row, or the new version of an updated row whose old version it then
- * finds dead (an update that is not HOT enters the new version into the
- * index, possibly where the scan has already looked).  The extension
- * writes a key only under its lock and counts the write before releasing
- * it.  So a claim that reads the same count before its probe and again
- * once it holds the key's lock knows that nothing the probe could have
- * missed was written in between: a write counted after the first read
- * moved the counter before releasing the lock the claim then acquired, and
- * one counted before it was complete before the probe began.  (A row
- * written by plain SQL, outside the extension, is not counted: the claim's
- * own insert may then fail on the primary key.)
- */
-bool
-idem_wait_write_count(uint64 hash, uint64 *count)
-{
-	if (wait_shared == NULL)
-		return false;
-	*count = pg_atomic_read_u64(&wait_shared->writes[hash % WAIT_WRITE_COUNTERS]);
-	/*
-	 * The probe that follows reads the index after this load (it also takes
-	 * buffer locks, full barriers, first); a read barrier states that and
-	 * costs nothing on x86.  The read under the key's lock comes after
-	 * acquiring that lock, which orders it after the increment of whoever
-	 * released it.
-	 */
-	pg_read_barrier();
-	return true;
 }

@@ -1,0 +1,276 @@
+/*-------------------------------------------------------------------------
+ *
+ * direct.c
+ *	  Writing rows of idempotency.keys through the table AM, without SQL.
+ *
+ * Owns the direct writer: a row is formed here, checked against the
+ * table's NOT NULL and CHECK constraints, written through the table AM and
+ * entered into every index of the table (a user's own index too), the way
+ * logical replication applies rows.  This skips SPI and the executor's
+ * per-statement start-up, which is most of the CPU time of a one-row
+ * write.  Only for a table as the extension creates it, without triggers,
+ * rules, row security or generated columns: idem_direct_begin refuses any
+ * other, and write.c then runs the SQL statement, so that whatever a user
+ * attached to the table still fires.  Decides nothing about which row to
+ * write or with what: write.c's rules do.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "executor/executor.h"
+#include "storage/bufmgr.h"
+#include "utils/rel.h"
+#include "utils/snapmgr.h"
+
+#include "store.h"
+
+/*
+ * May the store write this table directly?  Not when a user attached
+ * something only the executor applies: triggers (a foreign key that
+ * references the table is one), rules, row security, stored generated
+ * columns.
+ */
+static bool
+direct_allowed(Relation heap)
+{
+	TupleConstr *constr = RelationGetDescr(heap)->constr;
+
+	return heap->trigdesc == NULL && heap->rd_rules == NULL &&
+		!heap->rd_rel->relrowsecurity &&
+		(constr == NULL || !constr->has_generated_stored);
+}
+
+/*
+ * Open the table for direct writes; false (nothing open) when the table is
+ * not one we may write directly.
+ */
+bool
+idem_direct_begin(IdemDirect *direct)
+{
+	Relation	heap = table_open(idem_catalog()->keys, RowExclusiveLock);
+	MemoryContext old;
+
+	if (!direct_allowed(heap))
+	{
+		table_close(heap, NoLock);
+		return false;
+	}
+
+	/*
+	 * Like SPI before each statement: rows written earlier in this command
+	 * (say, by idem_sweep in the same SELECT) become visible to the write.
+	 */
+	CommandCounterIncrement();
+	direct->heap = heap;
+	direct->estate = CreateExecutorState();
+	old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
+	direct->rri = makeNode(ResultRelInfo);
+	InitResultRelInfo(direct->rri, heap, 0, NULL, 0);
+	ExecOpenIndices(direct->rri, false);
+	direct->slot = ExecInitExtraTupleSlot(direct->estate,
+										  RelationGetDescr(heap),
+										  table_slot_callbacks(heap));
+	direct->old = ExecInitExtraTupleSlot(direct->estate,
+										 RelationGetDescr(heap),
+										 table_slot_callbacks(heap));
+	MemoryContextSwitchTo(old);
+	return true;
+}
+
+/* End a run of direct writes; the next command sees them, as after a statement. */
+void
+idem_direct_end(IdemDirect *direct)
+{
+	ExecCloseIndices(direct->rri);
+	ExecResetTupleTable(direct->estate->es_tupleTable, false);
+	FreeExecutorState(direct->estate);
+	table_close(direct->heap, NoLock);
+	CommandCounterIncrement();
+}
+
+/*
+ * Enter the row in the slot into the table's indexes after the table AM
+ * wrote it (an update calls this only when it was not a HOT update).
+ */
+static void
+direct_index(IdemDirect *direct, bool update, bool only_summarizing)
+{
+	if (direct->rri->ri_NumIndices == 0)
+		return;
+	list_free(ExecInsertIndexTuples(direct->rri, direct->slot, direct->estate,
+									update, false, NULL, NIL
+#if PG_VERSION_NUM >= 160000
+									,only_summarizing
+#endif
+									));
+}
+
+/* Check the row in the slot against the table's constraints. */
+static void
+direct_check(IdemDirect *direct)
+{
+	if (RelationGetDescr(direct->heap)->constr != NULL)
+		ExecConstraints(direct->rri, direct->slot, direct->estate);
+}
+
+/*
+ * Is the tuple at "tid" row-locked (no update) by our own transaction and
+ * nobody else still running?  Then writing it does not wait.
+ */
+static bool
+direct_locked_only_by_me(Relation heap, ItemPointer tid)
+{
+	Buffer		buf = ReadBuffer(heap, ItemPointerGetBlockNumber(tid));
+	Page		page;
+	OffsetNumber off = ItemPointerGetOffsetNumber(tid);
+	bool		mine = false;
+
+	LockBuffer(buf, BUFFER_LOCK_SHARE);
+	page = BufferGetPage(buf);
+	if (off >= FirstOffsetNumber && off <= PageGetMaxOffsetNumber(page) &&
+		ItemIdIsNormal(PageGetItemId(page, off)))
+	{
+		HeapTupleHeader tup = (HeapTupleHeader)
+			PageGetItem(page, PageGetItemId(page, off));
+
+		mine = !(tup->t_infomask & HEAP_XMAX_INVALID) &&
+			HEAP_XMAX_IS_LOCKED_ONLY(tup->t_infomask) &&
+			!idem_row_xmax_locks_other(tup->t_infomask,
+									   HeapTupleHeaderGetRawXmax(tup));
+	}
+	UnlockReleaseBuffer(buf);
+	return mine;
+}
+
+/*
+ * What a table AM write result means for the caller.  Without "wait", a
+ * row that another transaction changes or row-locks is reported busy, not
+ * waited on; one row-locked only by our own transaction is written anyway
+ * (the caller retries with wait, which then does not wait).
+ */
+static IdemDirectResult
+direct_result(TM_Result result, const char *what)
+{
+	switch (result)
+	{
+		case TM_Ok:
+			return IDEM_DIRECT_DONE;
+		case TM_Updated:
+		case TM_Deleted:
+			return IDEM_DIRECT_GONE;
+		case TM_BeingModified:
+		case TM_WouldBlock:
+			return IDEM_DIRECT_BUSY;
+		default:
+			elog(ERROR, "unexpected result %d %s an idempotency key",
+				 (int) result, what);
+	}
+	pg_unreachable();
+}
+
+/* Insert a new row with these column values. */
+void
+idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
+{
+	TupleTableSlot *slot = direct->slot;
+
+	ResetPerTupleExprContext(direct->estate);
+	ExecClearTuple(slot);
+	memcpy(slot->tts_values, values, sizeof(Datum) * NUM_COLS);
+	memcpy(slot->tts_isnull, nulls, sizeof(bool) * NUM_COLS);
+	ExecStoreVirtualTuple(slot);
+	direct_check(direct);
+	table_tuple_insert(direct->heap, slot, GetCurrentCommandId(true), 0, NULL);
+	direct_index(direct, false, false);
+}
+
+/*
+ * Update the row version at "tid": the columns marked in "set" get the new
+ * values, the others keep theirs.  With "wait", a row being changed by
+ * another transaction is waited for, as the SQL statement would.
+ */
+IdemDirectResult
+idem_direct_update(IdemDirect *direct, ItemPointer tid, const bool *set,
+				   const Datum *values, const bool *nulls, bool wait)
+{
+	TupleTableSlot *old = direct->old;
+	TupleTableSlot *slot = direct->slot;
+	ItemPointerData otid = *tid;
+	TM_FailureData tmfd;
+	LockTupleMode lockmode;
+	TM_Result	result;
+	IdemDirectResult done;
+#if PG_VERSION_NUM >= 160000
+	TU_UpdateIndexes update_indexes;
+#else
+	bool		update_indexes;
+#endif
+
+	ResetPerTupleExprContext(direct->estate);
+	/* A publication that publishes updates needs the replica identity. */
+	CheckCmdReplicaIdentity(direct->heap, CMD_UPDATE);
+	if (!table_tuple_fetch_row_version(direct->heap, &otid, SnapshotAny, old))
+		return IDEM_DIRECT_GONE;
+	/* a copy of its own: the new row is formed from it after the page moves on */
+	ExecMaterializeSlot(old);
+	slot_getallattrs(old);
+
+	ExecClearTuple(slot);
+	for (int i = 0; i < NUM_COLS; i++)
+	{
+		slot->tts_values[i] = set[i] ? values[i] : old->tts_values[i];
+		slot->tts_isnull[i] = set[i] ? nulls[i] : old->tts_isnull[i];
+	}
+	ExecStoreVirtualTuple(slot);
+	direct_check(direct);
+
+	result = table_tuple_update(direct->heap, &otid, slot,
+								GetCurrentCommandId(true),
+								ActiveSnapshotSet() ? GetActiveSnapshot() : InvalidSnapshot,
+								InvalidSnapshot, wait, &tmfd, &lockmode,
+								&update_indexes);
+	if (!wait && result == TM_BeingModified &&
+		direct_locked_only_by_me(direct->heap, &otid))
+		result = table_tuple_update(direct->heap, &otid, slot,
+									GetCurrentCommandId(true),
+									ActiveSnapshotSet() ? GetActiveSnapshot() : InvalidSnapshot,
+									InvalidSnapshot, true, &tmfd, &lockmode,
+									&update_indexes);
+	done = direct_result(result, "updating");
+	ExecClearTuple(old);
+	if (done != IDEM_DIRECT_DONE)
+		return done;
+#if PG_VERSION_NUM >= 160000
+	if (update_indexes != TU_None)
+		direct_index(direct, true, update_indexes == TU_Summarizing);
+#else
+	if (update_indexes)
+		direct_index(direct, true, false);
+#endif
+	return IDEM_DIRECT_DONE;
+}
+
+/* Delete the row version at "tid"; "wait" as for idem_direct_update. */
+IdemDirectResult
+idem_direct_delete(IdemDirect *direct, ItemPointer tid, bool wait)
+{
+	CommandId	cid = GetCurrentCommandId(true);
+	TM_FailureData tmfd;
+	TM_Result	result;
+
+	/* A publication that publishes deletes needs the replica identity. */
+	CheckCmdReplicaIdentity(direct->heap, CMD_DELETE);
+	result = table_tuple_delete(direct->heap, tid, cid, InvalidSnapshot,
+								InvalidSnapshot, wait, &tmfd, false);
+	if (!wait && result == TM_BeingModified &&
+		direct_locked_only_by_me(direct->heap, tid))
+		result = table_tuple_delete(direct->heap, tid, cid, InvalidSnapshot,
+									InvalidSnapshot, true, &tmfd, false);
+	return direct_result(result, "deleting");
+}

@@ -1,0 +1,446 @@
+/*-------------------------------------------------------------------------
+ *
+ * row.c
+ *	  Reading idempotency.keys: one key by its primary key, or by ctid.
+ *
+ * Owns the probe, a direct primary-key index scan that reads one key either
+ * at its newest state (a dirty snapshot, which also reports whether another
+ * transaction is changing the row right now) or through the caller's MVCC
+ * snapshot; the fetch of one row version by ctid for the sweeper; the
+ * sweep's scan of keys_sweep_at_idx; and decoding a stored row into an
+ * IdemRow (a row the functions never write is refused with XX001).  Never
+ * waits on another transaction and never writes.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/genam.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/multixact.h"
+#include "access/stratnum.h"
+#include "access/table.h"
+#include "access/xact.h"
+#include "executor/executor.h"
+#include "miscadmin.h"
+#include "storage/bufmgr.h"
+#include "storage/procarray.h"
+#include "utils/builtins.h"
+#include "utils/datum.h"
+#include "utils/fmgroids.h"
+#include "utils/rel.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+
+#include "store.h"
+
+const char *const idem_status_names[IDEM_NSTATUS] = {
+	[IDEM_PENDING] = "pending",
+	[IDEM_SUCCEEDED] = "succeeded",
+	[IDEM_FAILED] = "failed",
+};
+
+/* Set *status to the status named by the "len" bytes at "name"; false if none. */
+bool
+idem_status_parse(const char *name, int len, IdemStatus *status)
+{
+	for (int i = 0; i < IDEM_NSTATUS; i++)
+	{
+		if (strlen(idem_status_names[i]) == (size_t) len &&
+			memcmp(idem_status_names[i], name, len) == 0)
+		{
+			*status = (IdemStatus) i;
+			return true;
+		}
+	}
+	return false;
+}
+
+/* Decode the row in "slot" into *row (the body only when wanted). */
+static void
+row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
+{
+	Datum	   *v;
+	bool	   *n;
+	text	   *status;
+
+	slot_getallattrs(slot);
+	v = slot->tts_values;
+	n = slot->tts_isnull;
+
+	status = DatumGetTextPP(v[COL_STATUS - 1]);
+	if (!idem_status_parse(VARDATA_ANY(status), VARSIZE_ANY_EXHDR(status),
+						   &row->status))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATA_CORRUPTED),
+				 errmsg("idempotency key has an unknown status \"%s\"",
+						text_to_cstring(status)),
+				 errhint("Someone changed idempotency.keys outside the extension's functions.")));
+	row->has_token = !n[COL_TOKEN - 1];
+	row->token = row->has_token ? DatumGetInt64(v[COL_TOKEN - 1]) : 0;
+	row->attempt = DatumGetInt32(v[COL_ATTEMPT - 1]);
+	row->has_fingerprint = !n[COL_FINGERPRINT - 1];
+	if (row->has_fingerprint)
+	{
+		bytea	   *fp = DatumGetByteaPP(v[COL_FINGERPRINT - 1]);
+
+		if (VARSIZE_ANY_EXHDR(fp) != IDEM_FINGERPRINT_LEN)
+			ereport(ERROR,
+					(errcode(ERRCODE_DATA_CORRUPTED),
+					 errmsg("idempotency key has a fingerprint of %d bytes, expected %d",
+							(int) VARSIZE_ANY_EXHDR(fp), IDEM_FINGERPRINT_LEN),
+					 errhint("Someone changed idempotency.keys outside the extension's functions.")));
+		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
+	}
+	row->has_response_code = !n[COL_RESPONSE_CODE - 1];
+	row->response_code = row->has_response_code ?
+		DatumGetInt32(v[COL_RESPONSE_CODE - 1]) : 0;
+	/* Keep the body as stored (possibly a TOAST pointer): cheap to copy. */
+	row->response_body = (want_body && !n[COL_RESPONSE_BODY - 1]) ?
+		datumCopy(v[COL_RESPONSE_BODY - 1], false, -1) : (Datum) 0;
+	row->created_at = DatumGetTimestampTz(v[COL_CREATED_AT - 1]);
+	row->has_finished_at = !n[COL_FINISHED_AT - 1];
+	row->finished_at = row->has_finished_at ?
+		DatumGetTimestampTz(v[COL_FINISHED_AT - 1]) : 0;
+	row->has_lease_until = !n[COL_LEASE_UNTIL - 1];
+	row->lease_until = row->has_lease_until ?
+		DatumGetTimestampTz(v[COL_LEASE_UNTIL - 1]) : 0;
+	row->expires_at = DatumGetTimestampTz(v[COL_EXPIRES_AT - 1]);
+	row->sweep_at = DatumGetTimestampTz(v[COL_SWEEP_AT - 1]);
+	memcpy(&row->retention, DatumGetIntervalP(v[COL_RETENTION - 1]),
+		   sizeof(Interval));
+}
+
+/*
+ * Does a tuple header with this infomask and raw xmax say that another
+ * transaction, still running, holds a row lock on it (FOR UPDATE / SHARE,
+ * no update)?  A dirty snapshot shows such a tuple as plainly visible, but
+ * writing it would wait for the locker.
+ */
+bool
+idem_row_xmax_locks_other(uint16 infomask, TransactionId xmax)
+{
+	if ((infomask & HEAP_XMAX_INVALID) || !HEAP_XMAX_IS_LOCKED_ONLY(infomask))
+		return false;
+	if (infomask & HEAP_XMAX_IS_MULTI)
+		return MultiXactIdIsRunning((MultiXactId) xmax, true);
+	return !TransactionIdIsCurrentTransactionId(xmax) &&
+		TransactionIdIsInProgress(xmax);
+}
+
+/*
+ * The infomask and raw xmax of the tuple in "slot" (just fetched from its
+ * buffer).  Its header lives in a shared buffer that other backends change
+ * under the buffer's lock (a locker sets xmax and infomask, and an update
+ * marks the old version locked for a moment while it finds room for the
+ * new one), so read it under a share lock.
+ */
+static void
+row_read_xmax(TupleTableSlot *slot, uint16 *infomask, TransactionId *xmax)
+{
+	BufferHeapTupleTableSlot *bslot = (BufferHeapTupleTableSlot *) slot;
+	HeapTupleHeader tup;
+
+	Assert(TTS_IS_BUFFERTUPLE(slot));
+	tup = bslot->base.tuple->t_data;
+	if (BufferIsValid(bslot->buffer))
+		LockBuffer(bslot->buffer, BUFFER_LOCK_SHARE);
+	*infomask = tup->t_infomask;
+	*xmax = HeapTupleHeaderGetRawXmax(tup);
+	if (BufferIsValid(bslot->buffer))
+		LockBuffer(bslot->buffer, BUFFER_LOCK_UNLOCK);
+}
+
+/* Is the tuple in "slot" row-locked by another running transaction? */
+static bool
+row_locked_by_other(TupleTableSlot *slot)
+{
+	uint16		infomask;
+	TransactionId xmax;
+
+	row_read_xmax(slot, &infomask, &xmax);
+	return idem_row_xmax_locks_other(infomask, xmax);
+}
+
+/* Record the probed tuple version in *row. */
+static void
+row_take(TupleTableSlot *slot, bool want_body, IdemRow *row)
+{
+	HeapTuple	tuple;
+	bool		should_free;
+
+	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
+	row->found = true;
+	row->locked = row_locked_by_other(slot);
+	row->tid = tuple->t_self;
+	row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
+	row->mine = TransactionIdIsCurrentTransactionId(row->xmin);
+	row_decode(slot, want_body, row);
+	if (should_free)
+		heap_freetuple(tuple);
+}
+
+/*
+ * Record that the tuple in "slot", which the dirty snapshot "dirty" just
+ * returned, is being changed by another transaction: which one, and, when
+ * the tuple is the newest version it writes, the token that version
+ * carries.  A dirty snapshot returns every version the transaction wrote
+ * (it looks no further than an in-progress xmin), so one that the same
+ * transaction updated or deleted again is not the newest: its token says
+ * nothing about what the transaction leaves behind.
+ */
+static void
+row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
+{
+	row->busy = true;
+	if (TransactionIdIsValid(dirty->xmin))
+	{
+		uint16		infomask;
+		TransactionId xmax;
+		bool		isnull;
+		Datum		token;
+
+		row_read_xmax(slot, &infomask, &xmax);
+		row->busy_xid = dirty->xmin;
+		if (!(infomask & HEAP_XMAX_INVALID) && !HEAP_XMAX_IS_LOCKED_ONLY(infomask))
+			return;				/* changed again by the same transaction */
+		token = slot_getattr(slot, COL_TOKEN, &isnull);
+		row->busy_new = true;
+		row->busy_token = isnull ? 0 : DatumGetInt64(token);
+	}
+	else if (!TransactionIdIsValid(row->busy_xid))
+		row->busy_xid = dirty->xmax;
+}
+
+/* Does the row in "slot" hold (scope, key)? */
+static bool
+row_is_key(TupleTableSlot *slot, text *scope, text *key)
+{
+	text	   *s = DatumGetTextPP(slot->tts_values[COL_SCOPE - 1]);
+	text	   *k = DatumGetTextPP(slot->tts_values[COL_KEY - 1]);
+
+	return VARSIZE_ANY_EXHDR(s) == VARSIZE_ANY_EXHDR(scope) &&
+		VARSIZE_ANY_EXHDR(k) == VARSIZE_ANY_EXHDR(key) &&
+		memcmp(VARDATA_ANY(s), VARDATA_ANY(scope), VARSIZE_ANY_EXHDR(s)) == 0 &&
+		memcmp(VARDATA_ANY(k), VARDATA_ANY(key), VARSIZE_ANY_EXHDR(k)) == 0;
+}
+
+/* One scan of the key's primary-key entries (idem_row_probe). */
+static void
+row_probe_once(text *scope, text *key, IdemProbeMode mode, bool want_body,
+			   IdemRow *row)
+{
+	const IdemCatalog *catalog;
+	Relation	heap;
+	Relation	index;
+	SnapshotData dirty;
+	Snapshot	snapshot;
+	ScanKeyData skey[2];
+	IndexScanDesc scan;
+	TupleTableSlot *slot;
+
+	memset(row, 0, sizeof(IdemRow));
+	catalog = idem_catalog();
+	heap = table_open(catalog->keys, AccessShareLock);
+	index = index_open(catalog->pkey, AccessShareLock);
+
+	if (mode == IDEM_PROBE_LATEST)
+	{
+		InitDirtySnapshot(dirty);
+		snapshot = &dirty;
+	}
+	else
+		snapshot = GetActiveSnapshot();
+
+	/* ScanKeyInit compares with the "C" collation, as the columns do. */
+	ScanKeyInit(&skey[0], COL_SCOPE, BTEqualStrategyNumber, F_TEXTEQ,
+				PointerGetDatum(scope));
+	ScanKeyInit(&skey[1], COL_KEY, BTEqualStrategyNumber, F_TEXTEQ,
+				PointerGetDatum(key));
+
+	slot = table_slot_create(heap, NULL);
+	scan = index_beginscan(heap, index, snapshot, 2, 0);
+	index_rescan(scan, skey, 2, NULL, 0);
+	/* index_getnext_slot, spelled out to put a pause point in the middle */
+	while (scan->xs_heap_continue ||
+		   index_getnext_tid(scan, ForwardScanDirection) != NULL)
+	{
+		/* The index page is read; the heap is not yet. */
+		IDEM_PAUSE("probe-index-read");
+		if (!index_fetch_heap(scan, slot))
+			continue;
+		if (mode == IDEM_PROBE_SNAPSHOT)
+		{
+			HeapTuple	tuple;
+			bool		should_free;
+
+			tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
+			row->found = true;
+			row->tid = tuple->t_self;
+			row_decode(slot, want_body, row);
+			if (should_free)
+				heap_freetuple(tuple);
+		}
+		else if (TransactionIdIsValid(dirty.xmin) ||
+				 TransactionIdIsValid(dirty.xmax))
+			row_note_busy(slot, &dirty, row);
+		else
+			row_take(slot, want_body, row);
+		/* One version is judged; the next is not read yet. */
+		IDEM_PAUSE("probe-version-read");
+	}
+	index_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	index_close(index, NoLock);
+	table_close(heap, NoLock);
+}
+
+/*
+ * Read one key through its primary key.
+ *
+ * IDEM_PROBE_LATEST reads with a dirty snapshot: it sees the newest
+ * committed version and our own transaction's changes, and it marks the
+ * row busy when another transaction has inserted, updated or deleted it
+ * and not yet ended.  It never waits.  IDEM_PROBE_SNAPSHOT reads what the
+ * active snapshot sees (idem_lookup, and hot standbys).
+ *
+ * A scan reads the key's row versions one after the other, so the change
+ * it saw in flight may have committed or aborted before it read the next
+ * version: it then saw the old version being changed and the new one
+ * plainly, a state that never existed.  When the changing transaction has
+ * ended by the end of the scan, the key is read once more.
+ */
+void
+idem_row_probe(text *scope, text *key, IdemProbeMode mode, bool want_body,
+			   IdemRow *row)
+{
+	row_probe_once(scope, key, mode, want_body, row);
+	if (row->busy && !TransactionIdIsInProgress(row->busy_xid))
+		row_probe_once(scope, key, mode, want_body, row);
+}
+
+/*
+ * Read the row version at "tid" with a dirty snapshot, as a probe would,
+ * but without the index descent (the sweeper got the tid from its query).
+ * found is false when that version is gone (a committed update or delete
+ * replaced it) or holds another key.  The relation and slot come from
+ * idem_row_fetch_begin, so that a chunk of fetches shares them.
+ */
+void
+idem_row_fetch(IdemFetch *fetch, ItemPointer tid, text *scope, text *key,
+			   IdemRow *row)
+{
+	SnapshotData dirty;
+
+	memset(row, 0, sizeof(IdemRow));
+	InitDirtySnapshot(dirty);
+	if (table_tuple_fetch_row_version(fetch->heap, tid, &dirty, fetch->slot))
+	{
+		if (TransactionIdIsValid(dirty.xmin) ||
+			TransactionIdIsValid(dirty.xmax))
+			row_note_busy(fetch->slot, &dirty, row);
+		else
+		{
+			row_take(fetch->slot, false, row);
+			if (!row_is_key(fetch->slot, scope, key))
+				row->found = false;
+		}
+		ExecClearTuple(fetch->slot);
+	}
+}
+
+/* Open the table for a run of idem_row_fetch calls. */
+void
+idem_row_fetch_begin(IdemFetch *fetch)
+{
+		fetch->heap = table_open(idem_catalog()->keys, AccessShareLock);
+	fetch->slot = table_slot_create(fetch->heap, NULL);
+}
+
+/* End a run of idem_row_fetch calls. */
+void
+idem_row_fetch_end(IdemFetch *fetch)
+{
+	ExecDropSingleTupleTableSlot(fetch->slot);
+	table_close(fetch->heap, NoLock);
+}
+
+/*
+ * Under REPEATABLE READ and SERIALIZABLE a write may only build on a row
+ * that the transaction's snapshot sees; a newer row means a concurrent
+ * change, which these levels report as a serialization failure.
+ */
+void
+idem_row_check_snapshot(const IdemRow *row)
+{
+	if (!IsolationUsesXactSnapshot() || !row->found || row->mine)
+		return;
+	if (XidInMVCCSnapshot(row->xmin, GetTransactionSnapshot()))
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("could not serialize access due to concurrent update of an idempotency key"),
+				 errhint("Retry the transaction.")));
+}
+
+/*
+ * Up to "limit" keys the sweeper may have work on at "now", oldest first:
+ * a direct scan of keys_sweep_at_idx (no executor, no tuple copies beyond
+ * the scope and key), through the snapshot a statement would get now, so
+ * that each fetch sees this sweep's earlier writes.  The arrays and texts
+ * are allocated in the current memory context.  Returns how many.
+ */
+int
+idem_row_sweep_candidates(TimestampTz now, int limit,
+						  ItemPointerData **tids, text ***scopes,
+						  text ***keys)
+{
+	const IdemCatalog *catalog;
+	Relation	heap;
+	Relation	index;
+	ScanKeyData skey;
+	IndexScanDesc scan;
+	TupleTableSlot *slot;
+	int			n = 0;
+	int			alloc = Min(limit, 256);
+
+	*tids = palloc(sizeof(ItemPointerData) * alloc);
+	*scopes = palloc(sizeof(text *) * alloc);
+	*keys = palloc(sizeof(text *) * alloc);
+
+	catalog = idem_catalog();
+	heap = table_open(catalog->keys, AccessShareLock);
+	index = index_open(catalog->sweep_idx, AccessShareLock);
+	CommandCounterIncrement();
+	PushCopiedSnapshot(GetTransactionSnapshot());
+	UpdateActiveSnapshotCommandId();
+
+	ScanKeyInit(&skey, 1, BTLessEqualStrategyNumber, F_TIMESTAMPTZ_LE,
+				TimestampTzGetDatum(now));
+	slot = table_slot_create(heap, NULL);
+	scan = index_beginscan(heap, index, GetActiveSnapshot(), 1, 0);
+	index_rescan(scan, &skey, 1, NULL, 0);
+	while (n < limit && index_getnext_slot(scan, ForwardScanDirection, slot))
+	{
+		/* A backlog can be millions of keys: stay cancellable. */
+		CHECK_FOR_INTERRUPTS();
+		if (n == alloc)
+		{
+			alloc = Min((int64) alloc * 2, (int64) limit);
+			*tids = repalloc(*tids, sizeof(ItemPointerData) * alloc);
+			*scopes = repalloc(*scopes, sizeof(text *) * alloc);
+			*keys = repalloc(*keys, sizeof(text *) * alloc);
+		}
+		slot_getsomeattrs(slot, COL_KEY);
+		(*tids)[n] = slot->tts_tid;
+		(*scopes)[n] = DatumGetTextPCopy(slot->tts_values[COL_SCOPE - 1]);
+		(*keys)[n] = DatumGetTextPCopy(slot->tts_values[COL_KEY - 1]);
+		n++;
+	}
+	index_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	PopActiveSnapshot();
+	index_close(index, NoLock);
+	table_close(heap, NoLock);
+	return n;
+}

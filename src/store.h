@@ -1,0 +1,108 @@
+/*-------------------------------------------------------------------------
+ *
+ * store.h
+ *	  What the files of the key store share, and nobody else sees.
+ *
+ * The key store is idempotency.keys with its indexes and token sequence:
+ *	  catalog.c  finds the extension's relations and checks them
+ *	  row.c      reads rows: the probe, fetches by ctid, the sweep's scan
+ *	  write.c    every change to a row, by one table of write rules
+ *	  direct.c   the table-AM writer that write.c uses when it may
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_STORE_H
+#define IDEMPOTENCY_STORE_H
+
+#include "access/tableam.h"
+#include "executor/tuptable.h"
+#include "nodes/execnodes.h"
+
+#include "idempotency.h"
+
+/*
+ * Columns of idempotency.keys, in table order.  idem_keys_columns (catalog.c)
+ * gives the name and type of each: the catalog checks the table against it,
+ * and write.c builds its statements from it.
+ */
+typedef enum KeysColumn
+{
+	COL_SCOPE = 1,
+	COL_KEY,
+	COL_STATUS,
+	COL_TOKEN,
+	COL_ATTEMPT,
+	COL_FINGERPRINT,
+	COL_RESPONSE_CODE,
+	COL_RESPONSE_BODY,
+	COL_CREATED_AT,
+	COL_FINISHED_AT,
+	COL_LEASE_UNTIL,
+	COL_EXPIRES_AT,
+	COL_RETENTION,
+	COL_SWEEP_AT,
+	NUM_COLS = COL_SWEEP_AT
+} KeysColumn;
+
+typedef struct KeysColumnDef
+{
+	const char *name;
+	Oid			type;
+} KeysColumnDef;
+
+/* Indexed by column number - 1. */
+extern const KeysColumnDef idem_keys_columns[NUM_COLS];
+
+/* ---- catalog.c ---- */
+
+/* The extension's relations, each locked AccessShareLock by this transaction. */
+typedef struct IdemCatalog
+{
+	Oid			keys;
+	Oid			pkey;			/* keys_pkey: (scope, key) */
+	Oid			sweep_idx;		/* keys_sweep_at_idx: (sweep_at) */
+	Oid			token_seq;
+	Oid			owner;			/* owner of idempotency.keys */
+} IdemCatalog;
+
+extern const IdemCatalog *idem_catalog(void);
+
+/* ---- row.c ---- */
+extern bool idem_row_xmax_locks_other(uint16 infomask, TransactionId xmax);
+
+/* ---- direct.c ---- */
+
+/*
+ * An open direct writer (idem_direct_begin .. idem_direct_end): the table,
+ * an executor state for its indexes and constraints, and a slot.
+ */
+typedef struct IdemDirect
+{
+	Relation	heap;
+	EState	   *estate;
+	ResultRelInfo *rri;
+	TupleTableSlot *slot;
+	TupleTableSlot *old;
+} IdemDirect;
+
+/* What a direct write did to its row. */
+typedef enum IdemDirectResult
+{
+	IDEM_DIRECT_DONE,			/* written */
+	IDEM_DIRECT_GONE,			/* the version was updated or deleted since */
+	IDEM_DIRECT_BUSY			/* another transaction changes or locks it */
+} IdemDirectResult;
+
+extern bool idem_direct_begin(IdemDirect *direct);
+extern void idem_direct_insert(IdemDirect *direct, const Datum *values,
+							   const bool *nulls);
+extern IdemDirectResult idem_direct_update(IdemDirect *direct,
+										   ItemPointer tid,
+										   const bool *set,
+										   const Datum *values,
+										   const bool *nulls, bool wait);
+extern IdemDirectResult idem_direct_delete(IdemDirect *direct,
+										   ItemPointer tid, bool wait);
+extern void idem_direct_end(IdemDirect *direct);
+
+#endif							/* IDEMPOTENCY_STORE_H */

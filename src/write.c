@@ -1,0 +1,567 @@
+/*-------------------------------------------------------------------------
+ *
+ * write.c
+ *	  Every change to idempotency.keys, and the fencing token sequence.
+ *
+ * Owns the write rules: one table (write_rules) says, for each kind of
+ * write, whether it inserts, updates or deletes, which columns it sets,
+ * and whether a row that another transaction changes or locks is skipped
+ * (the sweep's writes) or is an error (everything else, whose caller
+ * probed the row under the key's lock).  Both ways of writing follow that
+ * table: the direct writer (direct.c) where the table is as the extension
+ * made it, and otherwise an SQL statement built from the same rule and
+ * prepared once per backend, so that a user's trigger, rule or row
+ * security still applies.  Every write runs as the table's owner in a
+ * restricted security context (a write section).
+ * Must not decide outcomes (api.c and sweep.c do), and must never wait on
+ * another transaction's row: callers write only under the key's lock,
+ * after a probe showed that nobody else is changing the row, and count
+ * every write (idem_key_wrote) before releasing the lock.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/xact.h"
+#include "access/xlog.h"
+#include "catalog/pg_type.h"
+#include "commands/sequence.h"
+#include "executor/spi.h"
+#include "lib/stringinfo.h"
+#include "miscadmin.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/timestamp.h"
+
+#include "store.h"
+
+/* The kinds of write. */
+typedef enum WriteKind
+{
+	WRITE_CLAIM_INSERT,
+	WRITE_CLAIM_UPDATE,
+	WRITE_FINISH,
+	WRITE_EXTEND,
+	WRITE_RELEASE,
+	WRITE_SWEEP_DELETE,
+	WRITE_SWEEP_RESET,
+	WRITE_SWEEP_RESCHEDULE,
+	NUM_WRITE_KINDS
+} WriteKind;
+
+/* The bit of column "col" in a rule's column set. */
+#define COLUMN(col)				(1u << ((col) - 1))
+#define ALL_COLUMNS				(COLUMN(NUM_COLS + 1) - 1)
+
+typedef struct WriteRule
+{
+	CmdType		cmd;			/* CMD_INSERT, CMD_UPDATE or CMD_DELETE */
+	uint32		columns;		/* the columns it sets (COLUMN bits) */
+	bool		skip_busy;		/* skip a row changed or locked by others */
+} WriteRule;
+
+static const WriteRule write_rules[NUM_WRITE_KINDS] = {
+	[WRITE_CLAIM_INSERT] = {CMD_INSERT, ALL_COLUMNS, false},
+	/* a takeover, or a fresh claim over a row past its retention */
+	[WRITE_CLAIM_UPDATE] = {CMD_UPDATE,
+		ALL_COLUMNS & ~(COLUMN(COL_SCOPE) | COLUMN(COL_KEY)), false},
+	[WRITE_FINISH] = {CMD_UPDATE,
+		COLUMN(COL_STATUS) | COLUMN(COL_RESPONSE_CODE) |
+		COLUMN(COL_RESPONSE_BODY) | COLUMN(COL_FINISHED_AT) |
+		COLUMN(COL_LEASE_UNTIL) | COLUMN(COL_EXPIRES_AT) |
+		COLUMN(COL_SWEEP_AT), false},
+	[WRITE_EXTEND] = {CMD_UPDATE,
+		COLUMN(COL_LEASE_UNTIL) | COLUMN(COL_EXPIRES_AT), false},
+	[WRITE_RELEASE] = {CMD_DELETE, 0, false},
+
+	/*
+	 * The sweep locked each key and re-read its row, but a row changed or
+	 * row-locked by plain SQL since is skipped, never waited on: waiting
+	 * could deadlock with, say, an administrator's DELETE that waits for
+	 * this sweep.
+	 */
+	[WRITE_SWEEP_DELETE] = {CMD_DELETE, 0, true},
+	[WRITE_SWEEP_RESET] = {CMD_UPDATE,
+		COLUMN(COL_TOKEN) | COLUMN(COL_SWEEP_AT), true},
+	[WRITE_SWEEP_RESCHEDULE] = {CMD_UPDATE, COLUMN(COL_SWEEP_AT), true},
+};
+
+/* The statement of each kind, prepared at its first use in this backend. */
+static SPIPlanPtr write_plans[NUM_WRITE_KINDS];
+
+/* A write's values, one per column (those of the rule's columns are used). */
+typedef struct WriteRow
+{
+	ItemPointerData tid;		/* the row version it changes (not an insert) */
+	Datum		values[NUM_COLS];
+	bool		nulls[NUM_COLS];
+} WriteRow;
+
+/* The identity to restore at the end of a write section. */
+typedef struct WriteSection
+{
+	Oid			saved_userid;
+	int			saved_sec_context;
+} WriteSection;
+
+/*
+ * Act as the table's owner, with restricted security, until
+ * write_section_end: the caller need not have any privilege on the table,
+ * and nothing the table's owner attached can change session state.  The
+ * saved identity is kept on the caller's stack, so that a section opened
+ * inside another one (a trigger on the table that calls these functions)
+ * restores what its own caller had.  An ERROR in between is cleaned up by
+ * transaction abort.
+ */
+static void
+write_section_begin(WriteSection *section)
+{
+	Oid			owner = idem_catalog()->owner;
+
+	GetUserIdAndSecContext(&section->saved_userid, &section->saved_sec_context);
+	SetUserIdAndSecContext(owner, section->saved_sec_context |
+						   SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+}
+
+static void
+write_section_end(WriteSection *section)
+{
+	SetUserIdAndSecContext(section->saved_userid, section->saved_sec_context);
+}
+
+/*
+ * The statement of a rule: $1 is the row's ctid (an insert has none), then
+ * one parameter per column the rule sets, in table order.  Every object and
+ * operator is schema-qualified, so the caller's search_path never matters.
+ */
+static char *
+write_rule_sql(const WriteRule *rule, Oid *argtypes, int *nargs)
+{
+	StringInfoData sql;
+	StringInfoData vals;
+	const char *sep = "";
+
+	initStringInfo(&sql);
+	initStringInfo(&vals);
+	*nargs = 0;
+	if (rule->cmd != CMD_INSERT)
+		argtypes[(*nargs)++] = TIDOID;
+	switch (rule->cmd)
+	{
+		case CMD_INSERT:
+			appendStringInfoString(&sql, "INSERT INTO idempotency.keys (");
+			break;
+		case CMD_UPDATE:
+			appendStringInfoString(&sql, "UPDATE idempotency.keys SET ");
+			break;
+		default:
+			appendStringInfoString(&sql, "DELETE FROM idempotency.keys");
+			break;
+	}
+	for (int i = 0; i < NUM_COLS; i++)
+	{
+		const char *name = quote_identifier(idem_keys_columns[i].name);
+
+		if (!(rule->columns & COLUMN(i + 1)))
+			continue;
+		argtypes[(*nargs)++] = idem_keys_columns[i].type;
+		if (rule->cmd == CMD_INSERT)
+		{
+			appendStringInfo(&sql, "%s%s", sep, name);
+			appendStringInfo(&vals, "%s$%d", sep, *nargs);
+		}
+		else
+			appendStringInfo(&sql, "%s%s = $%d", sep, name, *nargs);
+		sep = ", ";
+	}
+	if (rule->cmd == CMD_INSERT)
+		appendStringInfo(&sql, ") VALUES (%s)", vals.data);
+	else
+	{
+		appendStringInfoString(&sql, " WHERE ctid OPERATOR(pg_catalog.=) $1");
+		if (rule->skip_busy)
+			appendStringInfoString(&sql,
+								   " AND ctid OPERATOR(pg_catalog.=) ("
+								   "SELECT ctid FROM idempotency.keys "
+								   "WHERE ctid OPERATOR(pg_catalog.=) $1 "
+								   "FOR UPDATE SKIP LOCKED)");
+	}
+	pfree(vals.data);
+	return sql.data;
+}
+
+/* Prepare (once per backend) and return the statement of a kind of write. */
+static SPIPlanPtr
+write_plan(WriteKind kind)
+{
+	if (write_plans[kind] == NULL)
+	{
+		Oid			argtypes[NUM_COLS + 1];
+		int			nargs;
+		char	   *sql = write_rule_sql(&write_rules[kind], argtypes, &nargs);
+		SPIPlanPtr	plan;
+
+		plan = SPI_prepare_cursor(sql, nargs, argtypes, CURSOR_OPT_GENERIC_PLAN);
+		if (plan == NULL)
+			elog(ERROR, "could not prepare idempotency statement \"%s\": %s",
+				 sql, SPI_result_code_string(SPI_result));
+		if (SPI_keepplan(plan) != 0)
+			elog(ERROR, "could not keep idempotency statement \"%s\"", sql);
+		pfree(sql);
+		write_plans[kind] = plan;
+	}
+	return write_plans[kind];
+}
+
+/*
+ * Execute one of the prepared statements (each addresses its row by ctid).
+ * Its generic plan is built at the first execution (and again after an
+ * invalidation); if the table looks empty to the planner then (freshly
+ * vacuumed), a Seq Scan costs nothing and would be kept for every later
+ * call on a growing table.  So seq scans are disabled while the statement
+ * runs (and may be planned), the way a function's SET clause does it: in a
+ * GUC nesting level of its own, so that a trigger on the table that
+ * changes the setting (SET LOCAL) inside the statement is unwound with it,
+ * and an ERROR unwinds it with the (sub)transaction.  Returns the rows it
+ * wrote.
+ */
+static uint64
+write_execute(WriteKind kind, const WriteRow *row)
+{
+	const WriteRule *rule = &write_rules[kind];
+	SPIPlanPtr	plan = write_plan(kind);
+	Datum		values[NUM_COLS + 1];
+	char		nulls[NUM_COLS + 1];
+	int			nargs = 0;
+	int			save_nestlevel;
+	int			rc;
+
+	if (rule->cmd != CMD_INSERT)
+	{
+		values[nargs] = PointerGetDatum(&row->tid);
+		nulls[nargs++] = ' ';
+	}
+	for (int i = 0; i < NUM_COLS; i++)
+	{
+		if (!(rule->columns & COLUMN(i + 1)))
+			continue;
+		values[nargs] = row->values[i];
+		nulls[nargs++] = row->nulls[i] ? 'n' : ' ';
+	}
+
+	save_nestlevel = NewGUCNestLevel();
+	(void) set_config_option("enable_seqscan", "off", PGC_USERSET,
+							 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
+	rc = SPI_execute_plan(plan, values, nulls, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != (rule->cmd == CMD_INSERT ? SPI_OK_INSERT :
+			   rule->cmd == CMD_UPDATE ? SPI_OK_UPDATE : SPI_OK_DELETE))
+		elog(ERROR, "idempotency statement failed: %s",
+			 SPI_result_code_string(rc));
+	return SPI_processed;
+}
+
+/*
+ * A write found fewer rows than it probed under their locks: under
+ * REPEATABLE READ or SERIALIZABLE the statement's snapshot predates a
+ * concurrent change (a serialization failure); otherwise only a change by
+ * plain SQL outside the extension's functions can cause it.
+ */
+static void
+write_raise_vanished(void)
+{
+	if (IsolationUsesXactSnapshot())
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("could not serialize access due to concurrent update of an idempotency key"),
+				 errhint("Retry the transaction.")));
+	ereport(ERROR,
+			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+			 errmsg("idempotency key changed during a write"),
+			 errdetail("Someone changed idempotency.keys outside the extension's functions."),
+			 errhint("Retry the transaction.")));
+}
+
+/* Write one row directly; false when it was skipped (a sweep's rule). */
+static bool
+write_direct(IdemDirect *direct, const WriteRule *rule, WriteRow *row)
+{
+	IdemDirectResult result;
+	bool		set[NUM_COLS];
+
+	switch (rule->cmd)
+	{
+		case CMD_INSERT:
+			idem_direct_insert(direct, row->values, row->nulls);
+			return true;
+		case CMD_UPDATE:
+			for (int i = 0; i < NUM_COLS; i++)
+				set[i] = (rule->columns & COLUMN(i + 1)) != 0;
+			result = idem_direct_update(direct, &row->tid, set, row->values,
+										row->nulls, !rule->skip_busy);
+			break;
+		default:
+			result = idem_direct_delete(direct, &row->tid, !rule->skip_busy);
+			break;
+	}
+	return result == IDEM_DIRECT_DONE;
+}
+
+/*
+ * Apply the write "kind" to "n" rows, directly when the table allows, else
+ * by its statement; returns how many it wrote.  A row that is not written
+ * is skipped under a sweep's rule, and an error under any other.
+ */
+static int
+write_apply(WriteKind kind, WriteRow *rows, int n)
+{
+	const WriteRule *rule = &write_rules[kind];
+	WriteSection section;
+	IdemDirect	direct;
+	int			done = 0;
+
+	write_section_begin(&section);
+	if (idem_direct_begin(&direct))
+	{
+		for (int i = 0; i < n; i++)
+		{
+			CHECK_FOR_INTERRUPTS();
+			if (write_direct(&direct, rule, &rows[i]))
+				done++;
+			else if (!rule->skip_busy)
+				write_raise_vanished();
+		}
+		idem_direct_end(&direct);
+	}
+	else
+	{
+		if (SPI_connect() != SPI_OK_CONNECT)
+			elog(ERROR, "SPI_connect failed");
+		for (int i = 0; i < n; i++)
+		{
+			uint64		written;
+
+			CHECK_FOR_INTERRUPTS();
+			written = write_execute(kind, &rows[i]);
+			if (written == 1)
+				done++;
+			else if (!rule->skip_busy)
+				write_raise_vanished();
+		}
+		if (SPI_finish() != SPI_OK_FINISH)
+			elog(ERROR, "SPI_finish failed");
+	}
+	write_section_end(&section);
+	return done;
+}
+
+static void
+row_set(WriteRow *row, KeysColumn col, Datum value)
+{
+	row->values[col - 1] = value;
+	row->nulls[col - 1] = false;
+}
+
+static void
+row_null(WriteRow *row, KeysColumn col)
+{
+	row->values[col - 1] = (Datum) 0;
+	row->nulls[col - 1] = true;
+}
+
+/* A new write of the row version "tid" (NULL for an insert). */
+static void
+row_init(WriteRow *row, const ItemPointerData *tid)
+{
+	memset(row, 0, sizeof(WriteRow));
+	if (tid != NULL)
+		row->tid = *tid;
+}
+
+/* A bytea fingerprint column, or NULL. */
+static void
+row_fingerprint(WriteRow *row, const uint8 *fingerprint)
+{
+	bytea	   *b;
+
+	if (fingerprint == NULL)
+	{
+		row_null(row, COL_FINGERPRINT);
+		return;
+	}
+	b = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	SET_VARSIZE(b, VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	memcpy(VARDATA(b), fingerprint, IDEM_FINGERPRINT_LEN);
+	row_set(row, COL_FINGERPRINT, PointerGetDatum(b));
+}
+
+/*
+ * The sweep_at of an existing row that a write makes due at "due": never
+ * later than it was.  The sweeper finds a row whose sweep_at passed before
+ * its time and moves it forward then; leaving sweep_at where it is, when
+ * that is earlier, keeps the write a HOT update (sweep_at is indexed).
+ */
+static TimestampTz
+write_sweep_at(const IdemRow *row, TimestampTz due)
+{
+	return Min(row->sweep_at, due);
+}
+
+/* The columns of a new pending attempt, whether inserted or taking a row over. */
+static void
+row_pending(WriteRow *row, int64 token, int32 attempt,
+			const uint8 *fingerprint, TimestampTz created_at,
+			TimestampTz lease_until, TimestampTz expires_at,
+			Interval *retention, TimestampTz sweep_at)
+{
+	row_set(row, COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
+	row_set(row, COL_TOKEN, Int64GetDatum(token));
+	row_set(row, COL_ATTEMPT, Int32GetDatum(attempt));
+	row_fingerprint(row, fingerprint);
+	row_null(row, COL_RESPONSE_CODE);
+	row_null(row, COL_RESPONSE_BODY);
+	row_set(row, COL_CREATED_AT, TimestampTzGetDatum(created_at));
+	row_null(row, COL_FINISHED_AT);
+	row_set(row, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
+	row_set(row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
+	row_set(row, COL_RETENTION, IntervalPGetDatum(retention));
+	row_set(row, COL_SWEEP_AT, TimestampTzGetDatum(sweep_at));
+}
+
+/* Insert a new pending key (first attempt). */
+void
+idem_write_insert_claim(text *scope, text *key, int64 token,
+						const uint8 *fingerprint, TimestampTz now,
+						TimestampTz lease_until, TimestampTz expires_at,
+						Interval *retention)
+{
+	WriteRow	row;
+
+	row_init(&row, NULL);
+	row_set(&row, COL_SCOPE, PointerGetDatum(scope));
+	row_set(&row, COL_KEY, PointerGetDatum(key));
+	row_pending(&row, token, 1, fingerprint, now, lease_until, expires_at,
+				retention, lease_until);
+	(void) write_apply(WRITE_CLAIM_INSERT, &row, 1);
+}
+
+/*
+ * Turn the probed row into a new pending attempt: a takeover (attempt + 1)
+ * or a fresh claim over a row past its retention (attempt 1).
+ */
+void
+idem_write_update_claim(const IdemRow *old, int64 token, int32 attempt,
+						const uint8 *fingerprint, TimestampTz created_at,
+						TimestampTz lease_until, TimestampTz expires_at,
+						Interval *retention)
+{
+	WriteRow	row;
+
+	row_init(&row, &old->tid);
+	row_pending(&row, token, attempt, fingerprint, created_at, lease_until,
+				expires_at, retention, write_sweep_at(old, lease_until));
+	(void) write_apply(WRITE_CLAIM_UPDATE, &row, 1);
+}
+
+/* Store the result of the probed pending row. */
+void
+idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
+				  int32 code, Datum body, TimestampTz now,
+				  TimestampTz expires_at)
+{
+	WriteRow	row;
+
+	row_init(&row, &old->tid);
+	row_set(&row, COL_STATUS, CStringGetTextDatum(idem_status_names[status]));
+	if (has_code)
+		row_set(&row, COL_RESPONSE_CODE, Int32GetDatum(code));
+	else
+		row_null(&row, COL_RESPONSE_CODE);
+	if (body != (Datum) 0)
+		row_set(&row, COL_RESPONSE_BODY, body);
+	else
+		row_null(&row, COL_RESPONSE_BODY);
+	row_set(&row, COL_FINISHED_AT, TimestampTzGetDatum(now));
+	row_null(&row, COL_LEASE_UNTIL);
+	row_set(&row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
+	row_set(&row, COL_SWEEP_AT,
+			TimestampTzGetDatum(write_sweep_at(old, expires_at)));
+	(void) write_apply(WRITE_FINISH, &row, 1);
+}
+
+/* Push the lease (and the pending expiry) of the probed row. */
+void
+idem_write_extend(const IdemRow *old, TimestampTz lease_until,
+				  TimestampTz expires_at)
+{
+	WriteRow	row;
+
+	row_init(&row, &old->tid);
+	row_set(&row, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
+	row_set(&row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
+	(void) write_apply(WRITE_EXTEND, &row, 1);
+}
+
+/* Delete the probed row. */
+void
+idem_write_release(const IdemRow *old)
+{
+	WriteRow	row;
+
+	row_init(&row, &old->tid);
+	(void) write_apply(WRITE_RELEASE, &row, 1);
+}
+
+/*
+ * Apply one kind of sweep work to "n" rows (each locked by the caller and
+ * re-read at exactly this version): delete them, reset them (their tokens
+ * die), or move their sweep_at; a reset or reschedule sets each row's
+ * sweep_at to the item's.  A row changed or locked by plain SQL since is
+ * skipped.  Returns how many rows it changed.
+ */
+int
+idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
+{
+	static const WriteKind kinds[IDEM_SWEEP_NKINDS] = {
+		[IDEM_SWEEP_DELETE] = WRITE_SWEEP_DELETE,
+		[IDEM_SWEEP_RESET] = WRITE_SWEEP_RESET,
+		[IDEM_SWEEP_RESCHEDULE] = WRITE_SWEEP_RESCHEDULE,
+	};
+	WriteRow   *rows;
+	int			done;
+
+	if (n == 0)
+		return 0;
+	rows = palloc(sizeof(WriteRow) * n);
+	for (int i = 0; i < n; i++)
+	{
+		row_init(&rows[i], &items[i].tid);
+		row_null(&rows[i], COL_TOKEN);
+		row_set(&rows[i], COL_SWEEP_AT, TimestampTzGetDatum(items[i].sweep_at));
+	}
+	done = write_apply(kinds[work], rows, n);
+	pfree(rows);
+	return done;
+}
+
+/*
+ * The next fencing token: larger than every token issued before, even
+ * across a crash.  A sequence logs its position ahead (every 32 values and
+ * after each checkpoint) but leaves flushing that record to the commit, so
+ * a token handed out by a transaction that never commits could be issued
+ * again after a crash.  The caller may already have passed that token to
+ * a downstream system, so when nextval wrote WAL, flush it now: one flush
+ * per 32 tokens at most.
+ */
+int64
+idem_write_next_token(void)
+{
+	XLogRecPtr	before = XactLastRecEnd;
+	int64		token;
+
+	token = nextval_internal(idem_catalog()->token_seq, false);
+	if (XactLastRecEnd != before)
+		XLogFlush(XactLastRecEnd);
+	return token;
+}
