@@ -5,14 +5,14 @@
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 SET LOCAL intervalstyle = 'postgres';
-SELECT plan(120);
+SELECT plan(125);
 
 -- the extension
 SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
 SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
           'the extension is not relocatable');
-SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.0',
-          'extension version 1.0');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.1',
+          'extension version 1.1');
 SELECT has_schema('idempotency');
 
 -- the table
@@ -85,6 +85,19 @@ SELECT set_has($$SELECT objid::regclass::text FROM pg_depend
                $$VALUES ('idempotency.keys'), ('idempotency.token_seq')$$,
                'keys and token_seq belong to the extension');
 
+-- idem_claim's outcome row type: the columns in order, an extension member
+SELECT has_composite('idempotency', 'claim_result', 'composite type idempotency.claim_result exists');
+SELECT is((SELECT string_agg(attname || ' ' || format_type(atttypid, atttypmod), ', ' ORDER BY attnum)
+             FROM pg_attribute
+            WHERE attrelid = 'idempotency.claim_result'::regclass AND attnum > 0 AND NOT attisdropped),
+          'outcome text, token bigint, attempt integer, status text, response_code integer, response_body jsonb, retry_after integer',
+          'claim_result: outcome, token, attempt, status, response_code, response_body, retry_after');
+SELECT is((SELECT count(*)::int FROM pg_depend
+            WHERE classid = 'pg_type'::regclass AND objid = 'idempotency.claim_result'::regtype
+              AND refclassid = 'pg_extension'::regclass AND deptype = 'e'
+              AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency')), 1,
+          'claim_result belongs to the extension');
+
 -- the functions: exact argument lists (names, types, defaults)
 SELECT has_function('idempotency', 'idem_claim',
                     ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
@@ -118,8 +131,8 @@ SELECT is(pg_get_function_arguments('idempotency.idem_sweep(integer)'::regproced
 
 -- return types
 SELECT is(pg_get_function_result('idempotency.idem_claim(text,jsonb,text,interval,interval,interval)'::regprocedure),
-          'TABLE(outcome text, token bigint, attempt integer, status text, response_code integer, response_body jsonb, retry_after integer)',
-          'idem_claim returns its outcome row');
+          'SETOF idempotency.claim_result',
+          'idem_claim returns its outcome row, of type claim_result');
 SELECT function_returns('idempotency', 'idem_finish',
                         ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval'],
                         'timestamp with time zone');
@@ -216,6 +229,20 @@ SELECT results_eq($$SELECT outcome, response_code, response_body
                   'a finished key replays');
 SELECT results_eq($$SELECT status, attempt, response_code FROM idempotency.idem_lookup('schema-1', 'pgtap-schema')$$,
                   $$VALUES ('succeeded'::text, 1, 200)$$, 'idem_lookup shows it');
+CREATE TEMP TABLE claims (c idempotency.claim_result);
+INSERT INTO claims SELECT c FROM idempotency.idem_claim('schema-1', '{"a": 1}', 'pgtap-schema') AS c;
+SELECT results_eq($$SELECT (c).outcome, (c).response_code FROM claims$$,
+                  $$VALUES ('replay'::text, 200)$$,
+                  'a column of type claim_result stores an outcome row');
+DO $$
+DECLARE
+    r idempotency.claim_result;
+BEGIN
+    SELECT * INTO r FROM idempotency.idem_claim('schema-1', '{"a": 2}', 'pgtap-schema');
+    CREATE TEMP TABLE declared AS SELECT r.outcome;
+END
+$$;
+SELECT is((SELECT outcome FROM declared), 'mismatch', 'a variable of type claim_result holds an outcome row');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
