@@ -602,8 +602,10 @@ claim_count(const ClaimResult *res)
 
 /*
  * idem_claim(key, request, scope, lease, retention, wait)
- *	  RETURNS TABLE (outcome, token, attempt, status, response_code,
- *					 response_body, retry_after): always one row.
+ *	  RETURNS SETOF idempotency.claim_result (outcome, token, attempt,
+ *	  status, response_code, response_body, retry_after): always one row.
+ *	  A 1.0 installation declares the same columns as RETURNS TABLE; both
+ *	  reach us as the executor's expected row type.
  */
 Datum
 idem_claim(PG_FUNCTION_ARGS)
