@@ -9,7 +9,7 @@
 #                                       is installed)
 #   setup_copy_tree <src> <dest>        copy the working tree without .git,
 #                                       build products and test output
-#   setup_build_install <dir>           make and make install in <dir>
+#   setup_build_install <dir>           make clean, make and make install in <dir>
 #   setup_make_var <dir> <VAR>          print a variable of <dir>/Makefile
 #                                       (e.g. REGRESS, ISOLATION)
 #
@@ -73,10 +73,13 @@ setup_copy_tree() {
 		tar -C "$dest" -xf -
 }
 
-# Build the extension in <dir> and install it.
+# Build the extension in <dir> from clean and install it.  PGXS does not
+# rebuild an object when only the flags change, so objects left by a build
+# with other flags (a test build's pause points, say) would be linked in.
 setup_build_install() {
 	local dir=$1
 	echo "== build: make PG_CONFIG=$PG_CONFIG ${SETUP_MAKE_FLAGS[*]}"
+	make -s -C "$dir" --no-print-directory PG_CONFIG="$PG_CONFIG" clean || return 1
 	make -s -C "$dir" --no-print-directory -j "$(nproc)" PG_CONFIG="$PG_CONFIG" \
 		"${SETUP_MAKE_FLAGS[@]}" || return 1
 	echo "== install: make install"
