@@ -336,6 +336,15 @@ idem_sweeper_main(Datum arg)
 	 */
 	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
 
+	/*
+	 * Each batch reads the newest rows and skips what changed since; a
+	 * cluster-wide default of REPEATABLE READ or SERIALIZABLE would instead
+	 * fail batches on rows changed after their snapshot.  Autovacuum does
+	 * the same.
+	 */
+	SetConfigOption("default_transaction_isolation", "read committed",
+					PGC_SUSET, PGC_S_OVERRIDE);
+
 	start = GetCurrentTimestamp();
 	PG_TRY();
 	{

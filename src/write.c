@@ -31,6 +31,7 @@
 #include "miscadmin.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
+#include "utils/resowner.h"
 #include "utils/timestamp.h"
 
 #include "store.h"
@@ -283,6 +284,51 @@ write_raise_vanished(void)
 			 errhint("Retry the transaction.")));
 }
 
+/*
+ * Run a sweep rule's statement for one row under REPEATABLE READ or
+ * SERIALIZABLE.  There, locking a row that was changed after the
+ * transaction's snapshot raises a serialization failure instead of
+ * skipping the row, so the statement runs in a subtransaction and that
+ * failure counts as a skipped row, as it does on the direct path.  Any
+ * other error propagates.
+ */
+static uint64
+write_execute_skipping(WriteKind kind, const WriteRow *row)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+	volatile uint64 written = 0;
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(cxt);
+	PG_TRY();
+	{
+		written = write_execute(kind, row);
+		ReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(cxt);
+		CurrentResourceOwner = owner;
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(cxt);
+		edata = CopyErrorData();
+		if (edata->sqlerrcode != ERRCODE_T_R_SERIALIZATION_FAILURE)
+		{
+			FreeErrorData(edata);
+			PG_RE_THROW();
+		}
+		FlushErrorState();
+		FreeErrorData(edata);
+		RollbackAndReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(cxt);
+		CurrentResourceOwner = owner;
+	}
+	PG_END_TRY();
+	return written;
+}
+
 /* Write one row directly; false when it was skipped (a sweep's rule). */
 static bool
 write_direct(IdemDirect *direct, const WriteRule *rule, WriteRow *row)
@@ -343,7 +389,10 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 			uint64		written;
 
 			CHECK_FOR_INTERRUPTS();
-			written = write_execute(kind, &rows[i]);
+			if (rule->skip_busy && IsolationUsesXactSnapshot())
+				written = write_execute_skipping(kind, &rows[i]);
+			else
+				written = write_execute(kind, &rows[i]);
 			if (written == 1)
 				done++;
 			else if (!rule->skip_busy)
