@@ -28,6 +28,7 @@
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
 
+#include "compat.h"
 #include "store.h"
 
 /*
@@ -103,12 +104,9 @@ direct_index(IdemDirect *direct, bool update, bool only_summarizing)
 {
 	if (direct->rri->ri_NumIndices == 0)
 		return;
-	list_free(ExecInsertIndexTuples(direct->rri, direct->slot, direct->estate,
-									update, false, NULL, NIL
-#if PG_VERSION_NUM >= 160000
-									,only_summarizing
-#endif
-									));
+	list_free(idem_insert_index_tuples(direct->rri, direct->slot,
+									   direct->estate, update,
+									   only_summarizing));
 }
 
 /* Check the row in the slot against the table's constraints. */
@@ -206,11 +204,7 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, const bool *set,
 	LockTupleMode lockmode;
 	TM_Result	result;
 	IdemDirectResult done;
-#if PG_VERSION_NUM >= 160000
-	TU_UpdateIndexes update_indexes;
-#else
-	bool		update_indexes;
-#endif
+	IdemUpdateIndexes update_indexes;
 
 	ResetPerTupleExprContext(direct->estate);
 	/* A publication that publishes updates needs the replica identity. */
@@ -246,13 +240,9 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, const bool *set,
 	ExecClearTuple(old);
 	if (done != IDEM_DIRECT_DONE)
 		return done;
-#if PG_VERSION_NUM >= 160000
-	if (update_indexes != TU_None)
-		direct_index(direct, true, update_indexes == TU_Summarizing);
-#else
-	if (update_indexes)
-		direct_index(direct, true, false);
-#endif
+	if (IDEM_UPDATE_NEEDS_INDEXES(update_indexes))
+		direct_index(direct, true,
+					 IDEM_UPDATE_ONLY_SUMMARIZING(update_indexes));
 	return IDEM_DIRECT_DONE;
 }
 

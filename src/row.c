@@ -33,6 +33,7 @@
 #include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 
+#include "compat.h"
 #include "store.h"
 
 const char *const idem_status_names[IDEM_NSTATUS] = {
@@ -260,7 +261,7 @@ row_probe_once(text *scope, text *key, IdemProbeMode mode, bool want_body,
 				PointerGetDatum(key));
 
 	slot = table_slot_create(heap, NULL);
-	scan = index_beginscan(heap, index, snapshot, 2, 0);
+	scan = idem_index_beginscan(heap, index, snapshot, 2, 0);
 	index_rescan(scan, skey, 2, NULL, 0);
 	/* index_getnext_slot, spelled out to put a pause point in the middle */
 	while (scan->xs_heap_continue ||
@@ -418,7 +419,7 @@ idem_row_sweep_candidates(TimestampTz now, int limit,
 	ScanKeyInit(&skey, 1, BTLessEqualStrategyNumber, F_TIMESTAMPTZ_LE,
 				TimestampTzGetDatum(now));
 	slot = table_slot_create(heap, NULL);
-	scan = index_beginscan(heap, index, GetActiveSnapshot(), 1, 0);
+	scan = idem_index_beginscan(heap, index, GetActiveSnapshot(), 1, 0);
 	index_rescan(scan, &skey, 1, NULL, 0);
 	while (n < limit && index_getnext_slot(scan, ForwardScanDirection, slot))
 	{

@@ -25,6 +25,7 @@
 #include "storage/proc.h"
 #include "storage/shmem.h"
 
+#include "compat.h"
 #include "idempotency.h"
 
 /* Keys remembered per transaction before we fall back to "wake all". */
@@ -55,7 +56,7 @@ static bool registered = false;
 
 static void wait_withdraw(void);
 
-/* Number of PGPROC entries, which is what a pgprocno indexes. */
+/* Number of PGPROC entries, which is what a backend's proc number indexes. */
 static int
 wait_nslots(void)
 {
@@ -197,9 +198,9 @@ idem_wait_register(uint64 hash, IdemWaitRegistration *reg)
 		before_shmem_exit(wait_before_shmem_exit, (Datum) 0);
 		exit_hook = true;
 	}
-	if (MyProc == NULL || MyProc->pgprocno >= wait_shared->nslots)
+	if (MyProc == NULL || IDEM_MY_PROC_NUMBER >= wait_shared->nslots)
 		return;
-	slot = &wait_shared->slots[MyProc->pgprocno];
+	slot = &wait_shared->slots[IDEM_MY_PROC_NUMBER];
 	reg->nested = registered;
 	if (reg->nested)
 		reg->outer_hash = pg_atomic_read_u64(&slot->hash);
@@ -224,7 +225,7 @@ wait_withdraw(void)
 {
 	if (!registered)
 		return;
-	pg_atomic_write_u64(&wait_shared->slots[MyProc->pgprocno].hash, 0);
+	pg_atomic_write_u64(&wait_shared->slots[IDEM_MY_PROC_NUMBER].hash, 0);
 	pg_atomic_fetch_sub_u32(&wait_shared->nwaiting, 1);
 	registered = false;
 }
@@ -239,7 +240,7 @@ idem_wait_unregister(const IdemWaitRegistration *reg)
 	if (!reg->published || !registered)
 		return;
 	if (reg->nested)
-		pg_atomic_write_u64(&wait_shared->slots[MyProc->pgprocno].hash,
+		pg_atomic_write_u64(&wait_shared->slots[IDEM_MY_PROC_NUMBER].hash,
 							reg->outer_hash);
 	else
 		wait_withdraw();

@@ -1,0 +1,63 @@
+/*-------------------------------------------------------------------------
+ *
+ * compat.h
+ *	  Every difference between the PostgreSQL versions the extension
+ *	  builds against (15 to 18), in one place.
+ *
+ * The .c files use the names defined here and carry no version tests of
+ * their own.  Each entry says which version changed what.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEMPOTENCY_COMPAT_H
+#define IDEMPOTENCY_COMPAT_H
+
+#include "access/genam.h"
+#include "access/tableam.h"
+#include "executor/executor.h"
+#include "storage/proc.h"
+
+#if PG_VERSION_NUM < 150000
+#error "idempotency needs PostgreSQL 15 or later"
+#endif
+
+/*
+ * 16: table_tuple_update reports which indexes need new entries
+ * (TU_UpdateIndexes, with "summarizing only" for BRIN), and
+ * ExecInsertIndexTuples takes that flag.  15 reports a plain bool.
+ */
+#if PG_VERSION_NUM >= 160000
+typedef TU_UpdateIndexes IdemUpdateIndexes;
+#define IDEM_UPDATE_NEEDS_INDEXES(u)		((u) != TU_None)
+#define IDEM_UPDATE_ONLY_SUMMARIZING(u)	((u) == TU_Summarizing)
+#define idem_insert_index_tuples(rri, slot, estate, update, only_summarizing) \
+	ExecInsertIndexTuples((rri), (slot), (estate), (update), false, NULL, NIL, \
+						  (only_summarizing))
+#else
+typedef bool IdemUpdateIndexes;
+#define IDEM_UPDATE_NEEDS_INDEXES(u)		(u)
+#define IDEM_UPDATE_ONLY_SUMMARIZING(u)	false
+#define idem_insert_index_tuples(rri, slot, estate, update, only_summarizing) \
+	ExecInsertIndexTuples((rri), (slot), (estate), (update), false, NULL, NIL)
+#endif
+
+/*
+ * 17: a backend's slot in the PGPROC array is MyProcNumber; before, it was
+ * MyProc->pgprocno.  Both index the same array.
+ */
+#if PG_VERSION_NUM >= 170000
+#define IDEM_MY_PROC_NUMBER			MyProcNumber
+#else
+#define IDEM_MY_PROC_NUMBER			(MyProc->pgprocno)
+#endif
+
+/* 18: index_beginscan takes an instrumentation struct (none here). */
+#if PG_VERSION_NUM >= 180000
+#define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), NULL, (nkeys), (norderbys))
+#else
+#define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), (nkeys), (norderbys))
+#endif
+
+#endif							/* IDEMPOTENCY_COMPAT_H */
