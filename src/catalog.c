@@ -104,7 +104,7 @@ idem_catalog_refuse_missing(const char *what)
 			 errhint("Someone dropped the extension's objects; reinstall the extension.")));
 }
 
-static void catalog_refuse_not_installed(void) pg_attribute_noreturn();
+IDEM_NORETURN static void catalog_refuse_not_installed(void);
 
 /* Raise 42704: the extension is not installed in this database. */
 static void

@@ -51,6 +51,18 @@ typedef bool IdemUpdateIndexes;
 #define IDEM_MY_PROC_NUMBER			(MyProc->pgprocno)
 #endif
 
+/*
+ * 18: pg_noreturn, written before a declaration, replaces
+ * pg_attribute_noreturn(), written after it.  GCC and clang accept the old
+ * attribute before the declaration too, so IDEM_NORETURN goes first on
+ * every version.
+ */
+#if PG_VERSION_NUM >= 180000
+#define IDEM_NORETURN				pg_noreturn
+#else
+#define IDEM_NORETURN				pg_attribute_noreturn()
+#endif
+
 /* 18: index_beginscan takes an instrumentation struct (none here). */
 #if PG_VERSION_NUM >= 180000
 #define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \

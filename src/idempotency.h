@@ -33,6 +33,8 @@
 #include "storage/itemptr.h"
 #include "utils/relcache.h"
 
+#include "compat.h"
+
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255
 #define IDEM_FINGERPRINT_LEN	32	/* SHA-256 */
@@ -151,8 +153,8 @@ extern int	idem_row_sweep_candidates(TimestampTz now, int limit,
 /* ---- catalog.c ---- */
 extern Oid	idem_catalog_lock_relation(const char *name);
 extern void idem_catalog_check_member(Oid relid);
-extern void idem_catalog_refuse_replaced(const char *what) pg_attribute_noreturn();
-extern void idem_catalog_refuse_missing(const char *what) pg_attribute_noreturn();
+IDEM_NORETURN extern void idem_catalog_refuse_replaced(const char *what);
+IDEM_NORETURN extern void idem_catalog_refuse_missing(const char *what);
 
 /* ---- write.c ---- */
 extern int64 idem_write_next_token(void);
