@@ -86,8 +86,13 @@ suite_tally_pg_regress() {
 	local -A status=()
 	while read -r name st; do
 		status[$name]=$st
+	# "test name ... ok" up to PostgreSQL 15, "ok 1 - name 12 ms" (TAP) from 16
 	done < <(awk '/^(test |     )/ {
 			for (i = 2; i < NF; i++) if ($i == "...") { print $(i - 1), $(i + 1); break }
+		}
+		/^(not )?ok [0-9]+ +[-+] / {
+			st = ($1 == "not") ? "failed" : "ok"
+			for (i = 2; i < NF; i++) if ($i == "-" || $i == "+") { print $(i + 1), st; break }
 		}' "$log")
 	for name in "$@"; do
 		case ${status[$name]:-} in

@@ -44,8 +44,9 @@ sub kill_backend
 	my ($pid, $what) = @_;
 	my $offset = -s $node->logfile;
 	is(kill('KILL', $pid), 1, "$what: kill -9 sent to backend $pid");
+	# "server process" up to PostgreSQL 17, "client backend" from 18
 	$node->wait_for_log(
-		qr/server process \(PID $pid\) was terminated by signal 9.*all server processes terminated; reinitializing.*automatic recovery in progress.*database system is ready to accept connections/s,
+		qr/(?:server process|client backend) \(PID $pid\) was terminated by signal 9.*all server processes terminated; reinitializing.*automatic recovery in progress.*database system is ready to accept connections/s,
 		$offset);
 	ok($node->poll_query_until('postgres', 'SELECT 1', '1'),
 		"$what: the server accepts connections after crash recovery");

@@ -819,7 +819,7 @@ is($node->safe_psql('postgres',
 		  . "AND pid = pg_backend_pid()"),
 	'1', 'pg_stat_activity answers');
 my $log = slurp_file($node->logfile);
-unlike($log, qr/terminated by signal|was terminated|PANIC:|server process .* exited/,
+unlike($log, qr/terminated by signal|was terminated|PANIC:|(?:server process|client backend) .* exited/,
 	'the server log shows no crashed backend');
 unlike($log, qr/TRAP:|AddressSanitizer|runtime error:/,
 	'the server log shows no assertion or sanitizer report');
