@@ -189,12 +189,12 @@ idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
 }
 
 /*
- * Update the row version at "tid": the columns marked in "set" get the new
- * values, the others keep theirs.  With "wait", a row being changed by
+ * Update the row version at "tid": the columns in "columns" (COLUMN bits)
+ * get the new values, the others keep theirs.  With "wait", a row being changed by
  * another transaction is waited for, as the SQL statement would.
  */
 IdemDirectResult
-idem_direct_update(IdemDirect *direct, ItemPointer tid, const bool *set,
+idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 				   const Datum *values, const bool *nulls, bool wait)
 {
 	TupleTableSlot *old = direct->old;
@@ -218,24 +218,27 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, const bool *set,
 	ExecClearTuple(slot);
 	for (int i = 0; i < NUM_COLS; i++)
 	{
-		slot->tts_values[i] = set[i] ? values[i] : old->tts_values[i];
-		slot->tts_isnull[i] = set[i] ? nulls[i] : old->tts_isnull[i];
+		bool		set = (columns & COLUMN(i + 1)) != 0;
+
+		slot->tts_values[i] = set ? values[i] : old->tts_values[i];
+		slot->tts_isnull[i] = set ? nulls[i] : old->tts_isnull[i];
 	}
 	ExecStoreVirtualTuple(slot);
 	direct_check(direct);
 
-	result = table_tuple_update(direct->heap, &otid, slot,
-								GetCurrentCommandId(true),
-								ActiveSnapshotSet() ? GetActiveSnapshot() : InvalidSnapshot,
-								InvalidSnapshot, wait, &tmfd, &lockmode,
-								&update_indexes);
-	if (!wait && result == TM_BeingModified &&
-		direct_locked_only_by_me(direct->heap, &otid))
+	/* without "wait", a second try with it for a row only we row-lock */
+	for (;;)
+	{
 		result = table_tuple_update(direct->heap, &otid, slot,
 									GetCurrentCommandId(true),
 									ActiveSnapshotSet() ? GetActiveSnapshot() : InvalidSnapshot,
-									InvalidSnapshot, true, &tmfd, &lockmode,
+									InvalidSnapshot, wait, &tmfd, &lockmode,
 									&update_indexes);
+		if (wait || result != TM_BeingModified ||
+			!direct_locked_only_by_me(direct->heap, &otid))
+			break;
+		wait = true;
+	}
 	done = direct_result(result, "updating");
 	ExecClearTuple(old);
 	if (done != IDEM_DIRECT_DONE)
@@ -256,11 +259,14 @@ idem_direct_delete(IdemDirect *direct, ItemPointer tid, bool wait)
 
 	/* A publication that publishes deletes needs the replica identity. */
 	CheckCmdReplicaIdentity(direct->heap, CMD_DELETE);
-	result = table_tuple_delete(direct->heap, tid, cid, InvalidSnapshot,
-								InvalidSnapshot, wait, &tmfd, false);
-	if (!wait && result == TM_BeingModified &&
-		direct_locked_only_by_me(direct->heap, tid))
+	for (;;)
+	{
 		result = table_tuple_delete(direct->heap, tid, cid, InvalidSnapshot,
-									InvalidSnapshot, true, &tmfd, false);
+									InvalidSnapshot, wait, &tmfd, false);
+		if (wait || result != TM_BeingModified ||
+			!direct_locked_only_by_me(direct->heap, tid))
+			break;
+		wait = true;
+	}
 	return direct_result(result, "deleting");
 }

@@ -44,6 +44,9 @@ typedef enum KeysColumn
 	NUM_COLS = COL_SWEEP_AT
 } KeysColumn;
 
+/* The bit of column "col" in a set of columns (a write rule's). */
+#define COLUMN(col)				(1u << ((col) - 1))
+
 typedef struct KeysColumnDef
 {
 	const char *name;
@@ -98,7 +101,7 @@ extern void idem_direct_insert(IdemDirect *direct, const Datum *values,
 							   const bool *nulls);
 extern IdemDirectResult idem_direct_update(IdemDirect *direct,
 										   ItemPointer tid,
-										   const bool *set,
+										   uint32 columns,
 										   const Datum *values,
 										   const bool *nulls, bool wait);
 extern IdemDirectResult idem_direct_delete(IdemDirect *direct,

@@ -50,8 +50,6 @@ typedef enum WriteKind
 	NUM_WRITE_KINDS
 } WriteKind;
 
-/* The bit of column "col" in a rule's column set. */
-#define COLUMN(col)				(1u << ((col) - 1))
 #define ALL_COLUMNS				(COLUMN(NUM_COLS + 1) - 1)
 
 typedef struct WriteRule
@@ -334,7 +332,6 @@ static bool
 write_direct(IdemDirect *direct, const WriteRule *rule, WriteRow *row)
 {
 	IdemDirectResult result;
-	bool		set[NUM_COLS];
 
 	switch (rule->cmd)
 	{
@@ -342,10 +339,9 @@ write_direct(IdemDirect *direct, const WriteRule *rule, WriteRow *row)
 			idem_direct_insert(direct, row->values, row->nulls);
 			return true;
 		case CMD_UPDATE:
-			for (int i = 0; i < NUM_COLS; i++)
-				set[i] = (rule->columns & COLUMN(i + 1)) != 0;
-			result = idem_direct_update(direct, &row->tid, set, row->values,
-										row->nulls, !rule->skip_busy);
+			result = idem_direct_update(direct, &row->tid, rule->columns,
+										row->values, row->nulls,
+										!rule->skip_busy);
 			break;
 		default:
 			result = idem_direct_delete(direct, &row->tid, !rule->skip_busy);
