@@ -39,3 +39,8 @@ PG_CFLAGS   = -Wall -Wextra -Wno-unused-parameter \
 PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs)
 include $(PGXS)
+
+# make dist: the PGXN release zip, idempotency-<version>.zip, in this directory
+.PHONY: dist
+dist:
+	$(srcdir)/scripts/dist.sh $(CURDIR)

@@ -94,6 +94,22 @@ BEGIN
 	DELETE FROM pg_catalog.pg_init_privs i
 	 WHERE i.classoid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::regclass
 	   AND i.objoid OPERATOR(pg_catalog.=) new_fn;
+
+	/*
+	 * From PostgreSQL 17 on, initial privileges also record a shared
+	 * dependency (pg_shdepend, deptype 'i') on each role they name.  Left
+	 * behind without their record, such a row keeps DROP ROLE failing for a
+	 * role even after its grant is revoked.  Before 17 there are no such
+	 * rows, and this DELETE finds nothing.
+	 */
+	DELETE FROM pg_catalog.pg_shdepend d
+	 WHERE d.dbid OPERATOR(pg_catalog.=)
+			(SELECT db.oid FROM pg_catalog.pg_database db
+			  WHERE db.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+	   AND d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::regclass
+	   AND d.objid OPERATOR(pg_catalog.=) new_fn
+	   AND d.objsubid OPERATOR(pg_catalog.=) 0
+	   AND d.deptype OPERATOR(pg_catalog.=) 'i';
 END
 $$;
 

@@ -16,7 +16,8 @@
 #   suite_tap <src> <file...>                   prove, as the postgres user
 #   suite_examples <src> <cluster> <dir...>     examples/*/test.sh or npm test
 #   suite_example_dirs <src>                    print the examples with a test
-#   test_pass <name> / test_fail <name> [why]   record a result
+#   test_pass <name> / test_fail <name> [why]   record a result (its name
+#                                               prefixed with $TEST_PREFIX)
 #   test_summary                                failed names, then the closing
 #                                               line "N passed, N failed"
 #
@@ -28,18 +29,19 @@
 
 TEST_PASSED=()
 TEST_FAILED=()
+TEST_PREFIX=""  # e.g. "pg17/": which PostgreSQL the tests being run are for
 SUITE_RUNNABLE=()
 
 # Record test <name> as passed.
 test_pass() {
-	TEST_PASSED+=("$1")
-	echo "-- PASS $1"
+	TEST_PASSED+=("$TEST_PREFIX$1")
+	echo "-- PASS $TEST_PREFIX$1"
 }
 
 # Record test <name> as failed, with an optional reason.
 test_fail() {
-	TEST_FAILED+=("$1${2:+ ($2)}")
-	echo "-- FAIL $1${2:+ ($2)}"
+	TEST_FAILED+=("$TEST_PREFIX$1${2:+ ($2)}")
+	echo "-- FAIL $TEST_PREFIX$1${2:+ ($2)}"
 }
 
 # Print the failed tests, then the closing line; return 1 if anything failed.

@@ -72,4 +72,15 @@ typedef bool IdemUpdateIndexes;
 	index_beginscan((heap), (index), (snapshot), (nkeys), (norderbys))
 #endif
 
+/*
+ * 18: a module can tell its name and version, which pg_get_loaded_modules()
+ * shows; before, the magic block carries neither.
+ */
+#if PG_VERSION_NUM >= 180000
+#define IDEM_MODULE_MAGIC \
+	PG_MODULE_MAGIC_EXT(.name = "idempotency", .version = IDEM_VERSION)
+#else
+#define IDEM_MODULE_MAGIC			PG_MODULE_MAGIC
+#endif
+
 #endif							/* IDEMPOTENCY_COMPAT_H */

@@ -3,11 +3,11 @@
  * idempotency.c
  *	  Module entry point of the idempotency extension.
  *
- * Owns _PG_init and the shared-memory hooks, and nothing else: each part
- * initialises itself through its *_init function.  Settings and the
- * transaction callbacks exist with or without preloading; shared memory
- * and the background worker only when the library is listed in
- * shared_preload_libraries.
+ * Owns _PG_init, the shared-memory hooks and idem_version(), and nothing
+ * else: each part initialises itself through its *_init function.
+ * Settings and the transaction callbacks exist with or without preloading;
+ * shared memory and the background worker only when the library is listed
+ * in shared_preload_libraries.
  *
  *-------------------------------------------------------------------------
  */
@@ -18,10 +18,13 @@
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
+#include "utils/builtins.h"
 
 #include "idempotency.h"
 
-PG_MODULE_MAGIC;
+IDEM_MODULE_MAGIC;
+
+PG_FUNCTION_INFO_V1(idem_version);
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
@@ -69,4 +72,16 @@ _PG_init(void)
 	shmem_startup_hook = idem_shmem_startup;
 
 	idem_worker_init();
+}
+
+/*
+ * idem_version(): the version of the library this backend loaded.  It comes
+ * from the library, not from the catalog, so that after installing a new
+ * build it shows which code runs, whatever version ALTER EXTENSION left the
+ * SQL objects at (pg_extension.extversion tells that).
+ */
+Datum
+idem_version(PG_FUNCTION_ARGS)
+{
+	PG_RETURN_TEXT_P(cstring_to_text(IDEM_VERSION));
 }

@@ -4,7 +4,8 @@
  *	  Declarations shared by the parts of the idempotency extension.
  *
  * The parts, one file each:
- *	  idempotency.c  module entry point: _PG_init calls each part's init
+ *	  idempotency.c  module entry point: _PG_init calls each part's init;
+ *	                 idem_version()
  *	  guc.c          the idempotency.* settings
  *	  fingerprint.c  SHA-256 request fingerprints and lock hashes
  *	  catalog.c      the key store's relations, found and checked
@@ -34,6 +35,14 @@
 #include "utils/relcache.h"
 
 #include "compat.h"
+
+/*
+ * The version of this library, as idem_version() reports it: major.minor is
+ * the extension version (default_version in idempotency.control) whose
+ * install script ships with it, the last number counts releases of the
+ * library that leave the SQL objects alone.
+ */
+#define IDEM_VERSION			"1.2.0"
 
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255

@@ -202,7 +202,7 @@ $node->command_ok(
 foreach my $db ('dst_custom', 'dst_plain')
 {
 	is(sql($db, "SELECT extversion FROM pg_extension WHERE extname = 'idempotency'"),
-		'1.1', "$db: the extension is installed (1.1)");
+		'1.2', "$db: the extension is installed (1.2)");
 	is(sql($db, $rows_sql), $src{rows}, "$db: every stored key is identical, column for column");
 	is(sql($db, $bindings_sql), $src{bindings}, "$db: scope_bindings restored");
 	is(sql($db, $grants_sql), $src{grants}, "$db: USAGE grants restored, idem_sweep still not granted");

@@ -13,7 +13,8 @@
 #     key whose lease ended is taken over as attempt 2 with a larger token,
 #     the stats view counts on, and a statement another session prepared
 #     under 1.0 still runs;
-#   - a dump taken under 1.0 restores into 1.1 with every key as it was;
+#   - a dump taken under 1.0 restores into the newest version with every key
+#     as it was;
 #   - idem_claim returns SETOF idempotency.claim_result, and the updated
 #     catalog is the one a fresh 1.1 install makes: every function of the
 #     extension (definition, owner, privileges), the type's columns, the
@@ -22,6 +23,9 @@
 #   - privileges an administrator changed on idem_claim under 1.0 (EXECUTE
 #     revoked from PUBLIC, granted per role, also by a role holding the grant
 #     option) are the same after the update, and pg_dump still carries them;
+#     no role dependency of initial privileges is left behind (PostgreSQL
+#     17+), so once their grants are revoked the granted roles can be
+#     dropped;
 #   - a user view or BEGIN ATOMIC function that uses idem_claim makes the
 #     update fail with 2BP01: nothing changes, 1.0 keeps working, and after
 #     dropping it, updating and creating it again it works on 1.1.
@@ -48,7 +52,7 @@ my $node = new_node('upgrade', port => 55470,
 
 sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
 
-my $claim_sig = 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval)';
+my $claim_sig = $CLAIM_SIG;
 my $table_result =
     'TABLE(outcome text, token bigint, attempt integer, status text, '
   . 'response_code integer, response_body jsonb, retry_after integer)';
@@ -66,22 +70,8 @@ sub ext_state
 		  . "FROM pg_extension e WHERE e.extname = 'idempotency'");
 }
 
-# Every stored key, one line each: where the tuple is (ctid), who wrote it
-# (xmin) and every column, the body as its md5.
-sub rows
-{
-	my ($db, $keys) = @_;
-	my $where = $keys ? "WHERE key IN ($keys)" : '';
-	return sql($db,
-		    "SELECT string_agg(concat_ws('|', ctid, xmin, quote_literal(scope), "
-		  . "quote_literal(key), status, coalesce(token::text, 'NULL'), attempt, "
-		  . "coalesce(encode(fingerprint, 'hex'), 'NULL'), "
-		  . "coalesce(response_code::text, 'NULL'), "
-		  . "coalesce(md5(response_body::text), 'NULL'), created_at, "
-		  . "coalesce(finished_at::text, 'NULL'), coalesce(lease_until::text, 'NULL'), "
-		  . "expires_at, retention, sweep_at), E'\\n' ORDER BY scope, key) "
-		  . "FROM idempotency.keys $where");
-}
+# Every stored key, one line each, as key_rows reads them.
+sub rows { my ($db, $keys) = @_; return key_rows($node, $db, $keys); }
 
 my $counters_sql =
     "SELECT concat_ws(',', claims, takeovers, replays, in_progress, mismatches, "
@@ -186,8 +176,8 @@ $node->command_ok([ 'pg_dump', '-Fc', '-d', $node->connstr('up'), '-f', "$dir/up
 # =========================================================================
 # The update
 # =========================================================================
-is(sqlstate_of($node, 'up', 'ALTER EXTENSION idempotency UPDATE'), '00000',
-	'up: ALTER EXTENSION idempotency UPDATE succeeds');
+is(sqlstate_of($node, 'up', "ALTER EXTENSION idempotency UPDATE TO '1.1'"), '00000',
+	'up: ALTER EXTENSION idempotency UPDATE TO \'1.1\' succeeds');
 is(ext_state('up'), "1.1|$setof_result|t|1",
 	'up: 1.1: idem_claim returns SETOF idempotency.claim_result, one idem_claim');
 is(rows('up'), $before{rows},
@@ -279,12 +269,15 @@ is(sql('up', $key_counts_sql), '2,5,1', 'up: stats: 2 pending, 5 succeeded, 1 fa
 is(sql('up', $counters_sql), counters_plus($counters, 2, 1, 6, 1, 1, 3, 0),
 	'up: stats: the counters count every call since the update');
 
-# The dump taken under 1.0 restores into 1.1 with every key.
+# The dump taken under 1.0 restores into the newest version (a dump names
+# none) with every key.
+my $newest = sql('postgres',
+	"SELECT default_version FROM pg_available_extensions WHERE name = 'idempotency'");
 sql('postgres', 'CREATE DATABASE up_copy');
 $node->command_ok(
 	[ 'pg_restore', '--exit-on-error', '-d', $node->connstr('up_copy'), "$dir/up.dump" ],
 	'up_copy: the 1.0 dump is restored');
-is(ext_state('up_copy'), "1.1|$setof_result|t|1", 'up_copy: as 1.1');
+is(ext_state('up_copy'), "$newest|$setof_result|t|1", "up_copy: as $newest, the newest");
 (my $before_columns = $before{rows}) =~ s/^[^|]*\|[^|]*\|//mg;
 (my $copy_columns = rows('up_copy')) =~ s/^[^|]*\|[^|]*\|//mg;
 is($copy_columns, $before_columns, 'up_copy: every key is restored, column for column');
@@ -298,72 +291,11 @@ is( sqlstate_of($node, 'up_copy',
 # The updated catalog is a fresh 1.1 install's
 # =========================================================================
 sql('postgres', 'CREATE DATABASE fresh');
-sql('fresh', 'CREATE EXTENSION idempotency');
-is(ext_state('fresh'), "1.1|$setof_result|t|1", 'fresh: CREATE EXTENSION installs 1.1');
+sql('fresh', "CREATE EXTENSION idempotency VERSION '1.1'");
+is(ext_state('fresh'), "1.1|$setof_result|t|1",
+	'fresh: CREATE EXTENSION ... VERSION \'1.1\' installs 1.1');
 
-my $ext_oid = "(SELECT oid FROM pg_extension WHERE extname = 'idempotency')";
-my $members =
-    "SELECT classid, objid FROM pg_depend WHERE refclassid = 'pg_extension'::regclass "
-  . "AND refobjid = $ext_oid AND deptype = 'e'";
-my %catalog = (
-	'functions (definition, owner, privileges)' =>
-	  "SELECT string_agg(pg_get_functiondef(p.oid) || 'owner ' || p.proowner::regrole "
-	  . "|| ', acl ' || coalesce(p.proacl::text, 'default'), E'\\n' "
-	  . "ORDER BY p.oid::regprocedure::text) FROM pg_proc p "
-	  . "WHERE p.oid IN (SELECT objid FROM ($members) m WHERE classid = 'pg_proc'::regclass)",
-	'claim_result columns' =>
-	  "SELECT string_agg(concat_ws(' ', a.attnum, a.attname, "
-	  . "format_type(a.atttypid, a.atttypmod), a.attcollation::regcollation), ', ' "
-	  . "ORDER BY a.attnum) FROM pg_attribute a "
-	  . "WHERE a.attrelid = 'idempotency.claim_result'::regclass AND a.attnum > 0 "
-	  . "AND NOT a.attisdropped",
-	'types (owner, privileges)' =>
-	  "SELECT string_agg(concat_ws(' ', t.oid::regtype, t.typtype, t.typowner::regrole, "
-	  . "coalesce(t.typacl::text, 'default')), E'\\n' ORDER BY t.oid::regtype::text) "
-	  . "FROM pg_type t WHERE t.typnamespace = 'idempotency'::regnamespace",
-	'relations (columns, options, owner, privileges)' =>
-	  "SELECT string_agg(concat_ws(' ', c.oid::regclass, c.relkind, c.relpersistence, "
-	  . "c.reloptions::text, c.relowner::regrole, coalesce(c.relacl::text, 'default'), "
-	  . "(SELECT string_agg(concat_ws(' ', a.attnum, a.attname, "
-	  . "format_type(a.atttypid, a.atttypmod), a.attnotnull, a.attcollation::regcollation, "
-	  . "pg_get_expr(d.adbin, d.adrelid), coalesce(a.attacl::text, '-')), ', ' "
-	  . "ORDER BY a.attnum) FROM pg_attribute a LEFT JOIN pg_attrdef d "
-	  . "ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
-	  . "WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)), E'\\n' "
-	  . "ORDER BY c.oid::regclass::text) "
-	  . "FROM pg_class c WHERE c.relnamespace = 'idempotency'::regnamespace",
-	'indexes' =>
-	  "SELECT string_agg(pg_get_indexdef(i.indexrelid), E'\\n' "
-	  . "ORDER BY pg_get_indexdef(i.indexrelid)) "
-	  . "FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
-	  . "WHERE c.relnamespace = 'idempotency'::regnamespace",
-	'constraints' =>
-	  "SELECT string_agg(conrelid::regclass || ' ' || conname || ' ' || "
-	  . "pg_get_constraintdef(oid), E'\\n' ORDER BY conrelid::regclass::text, conname) "
-	  . "FROM pg_constraint "
-	  . "WHERE connamespace = 'idempotency'::regnamespace",
-	'triggers' =>
-	  "SELECT string_agg(pg_get_triggerdef(t.oid), E'\\n' "
-	  . "ORDER BY pg_get_triggerdef(t.oid)) FROM pg_trigger t "
-	  . "JOIN pg_class c ON c.oid = t.tgrelid "
-	  . "WHERE c.relnamespace = 'idempotency'::regnamespace",
-	'the stats view' => "SELECT pg_get_viewdef('idempotency.stats'::regclass)",
-	'the token sequence' =>
-	  "SELECT concat_ws(' ', seqtypid::regtype, seqstart, seqincrement, seqmax, seqmin, "
-	  . "seqcache, seqcycle) FROM pg_sequence "
-	  . "WHERE seqrelid = 'idempotency.token_seq'::regclass",
-	'extension members' =>
-	  "SELECT string_agg(pg_describe_object(classid, objid, 0), E'\\n' "
-	  . "ORDER BY pg_describe_object(classid, objid, 0)) "
-	  . "FROM ($members) m",
-	'extension configuration' =>
-	  "SELECT concat_ws(' ', extconfig::regclass[], extcondition, extrelocatable, "
-	  . "extnamespace::regnamespace) FROM pg_extension WHERE extname = 'idempotency'",
-	'initial privileges' =>
-	  "SELECT string_agg(pg_describe_object(classoid, objoid, objsubid) || ' ' || "
-	  . "initprivs::text, E'\\n' ORDER BY pg_describe_object(classoid, objoid, objsubid)) "
-	  . "FROM pg_init_privs WHERE privtype = 'e'",
-);
+my %catalog = catalog_queries();
 foreach my $what (sort keys %catalog)
 {
 	my $fresh = sql('fresh', $catalog{$what});
@@ -386,20 +318,8 @@ like(sql('fresh', $catalog{'extension members'}), qr/^type idempotency\.claim_re
 # =========================================================================
 sql('postgres', 'CREATE DATABASE acl');
 sql('acl', "CREATE EXTENSION idempotency VERSION '1.0'");
-sql('acl', q{
-CREATE ROLE regress_lead;
-CREATE ROLE regress_worker;
-CREATE ROLE "Regress App";
-GRANT USAGE ON SCHEMA idempotency TO regress_lead, regress_worker, "Regress App";
-});
-sql('acl', qq{
-REVOKE EXECUTE ON FUNCTION $claim_sig FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION $claim_sig TO regress_lead WITH GRANT OPTION;
-GRANT EXECUTE ON FUNCTION $claim_sig TO "Regress App";
-SET ROLE regress_lead;
-GRANT EXECUTE ON FUNCTION $claim_sig TO regress_worker;
-RESET ROLE;
-});
+sql('acl', 'CREATE ROLE regress_lead; CREATE ROLE regress_worker; CREATE ROLE "Regress App"');
+grant_claim_per_role($node, 'acl');
 my $acl_sql = "SELECT proacl FROM pg_proc WHERE oid = '$claim_sig'::regprocedure";
 my $acl = sql('acl', $acl_sql);
 like($acl, qr/regress_worker=X\/regress_lead/,
@@ -408,7 +328,7 @@ like($acl, qr/regress_worker=X\/regress_lead/,
 # Another superuser than the one who installed 1.0 runs the update.
 sql('acl', 'CREATE ROLE regress_admin SUPERUSER LOGIN');
 is( $node->safe_psql('acl',
-		"ALTER EXTENSION idempotency UPDATE; "
+		"ALTER EXTENSION idempotency UPDATE TO '1.1'; "
 		  . "SELECT current_setting('role') || ',' || current_user",
 		extra_params => [ '-U', 'regress_admin' ]),
 	'none,regress_admin', 'acl: the update succeeds and leaves the session\'s role alone');
@@ -442,6 +362,18 @@ $node->command_ok(
 	'acl: the dump is restored into a fresh database');
 is(sql('acl_copy', $acl_sql), $acl, 'acl_copy: the dump carried idem_claim\'s privileges');
 
+# From PostgreSQL 17 on, the initial privileges that the update's grants
+# record come with a shared dependency on each role they name; the update
+# removes both, so once their grants are revoked the roles can be dropped.
+is(stale_initacl_deps($node, 'acl'), '',
+	'acl: no role dependency of initial privileges outlives them');
+sql('postgres', 'DROP DATABASE acl_copy');
+revoke_claim_per_role($node, 'acl');
+my ($state, $out, $err) =
+  sql_result($node, 'acl', 'DROP ROLE regress_worker, regress_lead, "Regress App"');
+is($state, '00000', 'acl: with their grants revoked, the granted roles can be dropped')
+  or diag($err);
+
 # =========================================================================
 # Objects that use idem_claim stop the update
 # =========================================================================
@@ -453,7 +385,8 @@ sql('dep',
 	  . "FROM idempotency.idem_claim('dep-1')");
 my $dep_rows = rows('dep');
 
-my ($state, $out, $err) = sql_result($node, 'dep', 'ALTER EXTENSION idempotency UPDATE');
+($state, $out, $err) =
+  sql_result($node, 'dep', "ALTER EXTENSION idempotency UPDATE TO '1.1'");
 is($state, '2BP01', 'dep: a view on idem_claim makes the update fail (2BP01)');
 like($err, qr/view public\.claim_view depends on function idem_claim/,
 	'dep: the error names the view');
@@ -476,7 +409,8 @@ sql('dep', 'DROP VIEW public.claim_view');
 sql('dep',
 	    "CREATE FUNCTION public.claim_outcome(k text) RETURNS text LANGUAGE sql "
 	  . "BEGIN ATOMIC SELECT outcome FROM idempotency.idem_claim(k); END");
-($state, $out, $err) = sql_result($node, 'dep', 'ALTER EXTENSION idempotency UPDATE');
+($state, $out, $err) =
+  sql_result($node, 'dep', "ALTER EXTENSION idempotency UPDATE TO '1.1'");
 is($state, '2BP01', 'dep: a BEGIN ATOMIC function on idem_claim makes the update fail (2BP01)');
 like($err, qr/function public\.claim_outcome\(text\) depends on function idem_claim/,
 	'dep: the error names the function');
@@ -484,7 +418,7 @@ is(ext_state('dep'), "1.0|$table_result|f|1", 'dep: still 1.0');
 
 # What the documentation says to do: drop, update, create again.
 sql('dep', 'DROP FUNCTION public.claim_outcome(text)');
-is(sqlstate_of($node, 'dep', 'ALTER EXTENSION idempotency UPDATE'), '00000',
+is(sqlstate_of($node, 'dep', "ALTER EXTENSION idempotency UPDATE TO '1.1'"), '00000',
 	'dep: with the dependents dropped, the update succeeds');
 sql('dep',
 	"CREATE VIEW public.claim_view AS SELECT outcome, response_code "

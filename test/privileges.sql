@@ -5,7 +5,7 @@
 \set ON_ERROR_STOP 1
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
-SELECT plan(71);
+SELECT plan(72);
 
 CREATE ROLE regress_idem_app NOLOGIN;
 CREATE ROLE regress_idem_nousage NOLOGIN;
@@ -30,6 +30,8 @@ SELECT ok(has_function_privilege('public', 'idempotency.idem_release(text,bigint
           'PUBLIC may execute idem_release');
 SELECT ok(has_function_privilege('public', 'idempotency.idem_lookup(text,text)', 'EXECUTE'),
           'PUBLIC may execute idem_lookup');
+SELECT ok(has_function_privilege('public', 'idempotency.idem_version()', 'EXECUTE'),
+          'PUBLIC may execute idem_version');
 SELECT ok(NOT has_function_privilege('public', 'idempotency.idem_sweep(integer)', 'EXECUTE'),
           'PUBLIC may not execute idem_sweep');
 SELECT ok(NOT has_function_privilege('regress_idem_app', 'idempotency.idem_sweep(integer)', 'EXECUTE'),

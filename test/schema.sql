@@ -5,14 +5,14 @@
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 SET LOCAL intervalstyle = 'postgres';
-SELECT plan(125);
+SELECT plan(131);
 
 -- the extension
 SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
 SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
           'the extension is not relocatable');
-SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.1',
-          'extension version 1.1');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.2',
+          'extension version 1.2');
 SELECT has_schema('idempotency');
 
 -- the table
@@ -107,8 +107,9 @@ SELECT has_function('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'inter
 SELECT has_function('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
 SELECT has_function('idempotency', 'idem_lookup', ARRAY['text', 'text']);
 SELECT has_function('idempotency', 'idem_sweep', ARRAY['integer']);
+SELECT has_function('idempotency', 'idem_version', ARRAY[]::name[]);
 SELECT is((SELECT count(*)::int FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'), 6,
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'), 7,
           'one function of each name: no overloads');
 SELECT is(pg_get_function_arguments('idempotency.idem_claim(text,jsonb,text,interval,interval,interval)'::regprocedure),
           'key text, request jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, lease interval DEFAULT NULL::interval, retention interval DEFAULT NULL::interval, wait interval DEFAULT ''00:00:00''::interval',
@@ -145,6 +146,7 @@ SELECT is(pg_get_function_result('idempotency.idem_lookup(text,text)'::regproced
 SELECT is(pg_get_function_result('idempotency.idem_sweep(integer)'::regprocedure),
           'TABLE(expired bigint, reset bigint)',
           'idem_sweep returns (expired, reset)');
+SELECT function_returns('idempotency', 'idem_version', ARRAY[]::name[], 'text');
 
 -- properties: C, not SECURITY DEFINER, not STRICT (NULL arguments raise
 -- 22004 rather than silently returning nothing), volatility, parallel
@@ -154,12 +156,14 @@ SELECT function_lang_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'i
 SELECT function_lang_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_lookup', ARRAY['text', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_sweep', ARRAY['integer'], 'c');
+SELECT function_lang_is('idempotency', 'idem_version', ARRAY[]::name[], 'c');
 SELECT isnt_definer('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
 SELECT isnt_definer('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
 SELECT isnt_definer('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
 SELECT isnt_definer('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
 SELECT isnt_definer('idempotency', 'idem_lookup', ARRAY['text', 'text']);
 SELECT isnt_definer('idempotency', 'idem_sweep', ARRAY['integer']);
+SELECT isnt_definer('idempotency', 'idem_version', ARRAY[]::name[]);
 SELECT isnt_strict('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
 SELECT isnt_strict('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
 SELECT isnt_strict('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
@@ -172,12 +176,13 @@ SELECT volatility_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'inte
 SELECT volatility_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_sweep', ARRAY['integer'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_lookup', ARRAY['text', 'text'], 'stable');
+SELECT volatility_is('idempotency', 'idem_version', ARRAY[]::name[], 'stable');
 SELECT is((SELECT array_agg(p.proname::text || ':' || p.proparallel::text ORDER BY p.proname)
              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
           ARRAY['idem_claim:u', 'idem_extend:u', 'idem_finish:u', 'idem_lookup:r',
-                'idem_release:u', 'idem_sweep:u'],
-          'writers are PARALLEL UNSAFE, lookup PARALLEL RESTRICTED');
+                'idem_release:u', 'idem_sweep:u', 'idem_version:s'],
+          'writers are PARALLEL UNSAFE, lookup PARALLEL RESTRICTED, idem_version PARALLEL SAFE');
 SELECT is((SELECT array_agg(p.proname::text ORDER BY p.proname)
              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%' AND p.proretset),
@@ -188,7 +193,8 @@ SELECT is((SELECT array_agg(DISTINCT p.probin) FROM pg_proc p JOIN pg_namespace 
           ARRAY['$libdir/idempotency'], 'all functions live in $libdir/idempotency');
 SELECT is((SELECT array_agg(p.prosrc ORDER BY p.prosrc) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
-          ARRAY['idem_claim', 'idem_extend', 'idem_finish', 'idem_lookup', 'idem_release', 'idem_sweep'],
+          ARRAY['idem_claim', 'idem_extend', 'idem_finish', 'idem_lookup', 'idem_release', 'idem_sweep',
+                'idem_version'],
           'each function has the C symbol of its name');
 
 -- the stats view, the operations functions and the tenant bindings
@@ -243,6 +249,7 @@ BEGIN
 END
 $$;
 SELECT is((SELECT outcome FROM declared), 'mismatch', 'a variable of type claim_result holds an outcome row');
+SELECT is(idempotency.idem_version(), '1.2.0', 'idem_version() names the loaded library, 1.2.0');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,

@@ -28,7 +28,9 @@ our @EXPORT = qw(
   new_node new_standby alter_system stop_sweeping
   sql_result sqlstate_of
   $CLAIM_COLS parse_claim claim replay_row mismatch_row body_md5 stored_row
-  finish_key expiring_keys
+  key_rows finish_key expiring_keys
+  $CLAIM_SIG catalog_queries grant_claim_per_role revoke_claim_per_role
+  stale_initacl_deps
   wait_lease_over wait_past_retention wait_commits wait_next_sweep
   launcher_pid restart_launcher fail_sweeps_in log_errors);
 
@@ -215,6 +217,25 @@ sub stored_row
 		  . "FROM idempotency.keys WHERE scope = '$scope' AND key = '$key'");
 }
 
+# Every stored key in $db (those of the SQL list $keys, e.g. "'a', 'b'", if
+# given), one line each: where the tuple is (ctid), who wrote it (xmin) and
+# every column, the response body as its md5.  Equal answers before and
+# after a change mean the change left every row alone.
+sub key_rows
+{
+	my ($node, $db, $keys) = @_;
+	my $where = $keys ? "WHERE key IN ($keys)" : '';
+	return $node->safe_psql($db,
+		    "SELECT string_agg(concat_ws('|', ctid, xmin, quote_literal(scope), "
+		  . "quote_literal(key), status, coalesce(token::text, 'NULL'), attempt, "
+		  . "coalesce(encode(fingerprint, 'hex'), 'NULL'), "
+		  . "coalesce(response_code::text, 'NULL'), "
+		  . "coalesce(md5(response_body::text), 'NULL'), created_at, "
+		  . "coalesce(finished_at::text, 'NULL'), coalesce(lease_until::text, 'NULL'), "
+		  . "expires_at, retention, sweep_at), E'\\n' ORDER BY scope, key) "
+		  . "FROM idempotency.keys $where");
+}
+
 # Claim $key (default scope) with a 1 second lease and finish it at once
 # with code 200 and the response $body (an SQL jsonb expression; none when
 # undef), to be kept for $retention.  Returns the claim's row (as claim).
@@ -245,6 +266,140 @@ sub expiring_keys
 		  . "FROM generate_series(1, $n) AS i, "
 		  . "LATERAL idempotency.idem_claim('$prefix-' || i, lease => '1 second', "
 		  . "retention => '1 second') AS c) AS f");
+}
+
+# --- the extension's catalog ---------------------------------------------------------
+
+# What the extension installed in a database, as a list of (what => SQL)
+# pairs: each query answers one text value, ordered so that two databases'
+# answers compare with eq.  A database updated to a version must answer
+# each one as a fresh install of that version does: every function of the
+# extension (definition, owner, privileges), claim_result's columns, the
+# types, the relations (columns, options, owner, privileges), indexes,
+# constraints, triggers, the stats view, the token sequence, the member
+# list, the configuration tables and the initial privileges.
+sub catalog_queries
+{
+	my $ext_oid = "(SELECT oid FROM pg_extension WHERE extname = 'idempotency')";
+	my $members =
+	    "SELECT classid, objid FROM pg_depend WHERE refclassid = 'pg_extension'::regclass "
+	  . "AND refobjid = $ext_oid AND deptype = 'e'";
+	return (
+		'functions (definition, owner, privileges)' =>
+		  "SELECT string_agg(pg_get_functiondef(p.oid) || 'owner ' || p.proowner::regrole "
+		  . "|| ', acl ' || coalesce(p.proacl::text, 'default'), E'\\n' "
+		  . "ORDER BY p.oid::regprocedure::text) FROM pg_proc p "
+		  . "WHERE p.oid IN (SELECT objid FROM ($members) m "
+		  . "WHERE classid = 'pg_proc'::regclass)",
+		'claim_result columns' =>
+		  "SELECT string_agg(concat_ws(' ', a.attnum, a.attname, "
+		  . "format_type(a.atttypid, a.atttypmod), a.attcollation::regcollation), ', ' "
+		  . "ORDER BY a.attnum) FROM pg_attribute a "
+		  . "WHERE a.attrelid = 'idempotency.claim_result'::regclass AND a.attnum > 0 "
+		  . "AND NOT a.attisdropped",
+		'types (owner, privileges)' =>
+		  "SELECT string_agg(concat_ws(' ', t.oid::regtype, t.typtype, t.typowner::regrole, "
+		  . "coalesce(t.typacl::text, 'default')), E'\\n' ORDER BY t.oid::regtype::text) "
+		  . "FROM pg_type t WHERE t.typnamespace = 'idempotency'::regnamespace",
+		'relations (columns, options, owner, privileges)' =>
+		  "SELECT string_agg(concat_ws(' ', c.oid::regclass, c.relkind, c.relpersistence, "
+		  . "c.reloptions::text, c.relowner::regrole, coalesce(c.relacl::text, 'default'), "
+		  . "(SELECT string_agg(concat_ws(' ', a.attnum, a.attname, "
+		  . "format_type(a.atttypid, a.atttypmod), a.attnotnull, "
+		  . "a.attcollation::regcollation, pg_get_expr(d.adbin, d.adrelid), "
+		  . "coalesce(a.attacl::text, '-')), ', ' "
+		  . "ORDER BY a.attnum) FROM pg_attribute a LEFT JOIN pg_attrdef d "
+		  . "ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
+		  . "WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)), E'\\n' "
+		  . "ORDER BY c.oid::regclass::text) "
+		  . "FROM pg_class c WHERE c.relnamespace = 'idempotency'::regnamespace",
+		'indexes' =>
+		  "SELECT string_agg(pg_get_indexdef(i.indexrelid), E'\\n' "
+		  . "ORDER BY pg_get_indexdef(i.indexrelid)) "
+		  . "FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
+		  . "WHERE c.relnamespace = 'idempotency'::regnamespace",
+		'constraints' =>
+		  "SELECT string_agg(conrelid::regclass || ' ' || conname || ' ' || "
+		  . "pg_get_constraintdef(oid), E'\\n' ORDER BY conrelid::regclass::text, conname) "
+		  . "FROM pg_constraint "
+		  . "WHERE connamespace = 'idempotency'::regnamespace",
+		'triggers' =>
+		  "SELECT string_agg(pg_get_triggerdef(t.oid), E'\\n' "
+		  . "ORDER BY pg_get_triggerdef(t.oid)) FROM pg_trigger t "
+		  . "JOIN pg_class c ON c.oid = t.tgrelid "
+		  . "WHERE c.relnamespace = 'idempotency'::regnamespace",
+		'the stats view' => "SELECT pg_get_viewdef('idempotency.stats'::regclass)",
+		'the token sequence' =>
+		  "SELECT concat_ws(' ', seqtypid::regtype, seqstart, seqincrement, seqmax, seqmin, "
+		  . "seqcache, seqcycle) FROM pg_sequence "
+		  . "WHERE seqrelid = 'idempotency.token_seq'::regclass",
+		'extension members' =>
+		  "SELECT string_agg(pg_describe_object(classid, objid, 0), E'\\n' "
+		  . "ORDER BY pg_describe_object(classid, objid, 0)) "
+		  . "FROM ($members) m",
+		'extension configuration' =>
+		  "SELECT concat_ws(' ', extconfig::regclass[], extcondition, extrelocatable, "
+		  . "extnamespace::regnamespace) FROM pg_extension WHERE extname = 'idempotency'",
+		'initial privileges' =>
+		  "SELECT string_agg(pg_describe_object(classoid, objoid, objsubid) || ' ' || "
+		  . "initprivs::text, E'\\n' "
+		  . "ORDER BY pg_describe_object(classoid, objoid, objsubid)) "
+		  . "FROM pg_init_privs WHERE privtype = 'e'",
+	);
+}
+
+# idem_claim's signature, as regprocedure input and in GRANT and REVOKE.
+our $CLAIM_SIG = 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval)';
+
+# The privileges an administrator may set on idem_claim, in $db: EXECUTE
+# revoked from PUBLIC and granted to regress_lead with the grant option and
+# to "Regress App", and by regress_lead to regress_worker; the three get
+# USAGE on the schema.  The roles must exist.
+sub grant_claim_per_role
+{
+	my ($node, $db) = @_;
+	$node->safe_psql($db, qq{
+GRANT USAGE ON SCHEMA idempotency TO regress_lead, regress_worker, "Regress App";
+REVOKE EXECUTE ON FUNCTION $CLAIM_SIG FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION $CLAIM_SIG TO regress_lead WITH GRANT OPTION;
+GRANT EXECUTE ON FUNCTION $CLAIM_SIG TO "Regress App";
+SET ROLE regress_lead;
+GRANT EXECUTE ON FUNCTION $CLAIM_SIG TO regress_worker;
+RESET ROLE;
+});
+	return;
+}
+
+# Revoke in $db every privilege grant_claim_per_role granted, each by its
+# grantor, so that nothing there keeps the three roles from being dropped.
+sub revoke_claim_per_role
+{
+	my ($node, $db) = @_;
+	$node->safe_psql($db, qq{
+SET ROLE regress_lead;
+REVOKE EXECUTE ON FUNCTION $CLAIM_SIG FROM regress_worker;
+RESET ROLE;
+REVOKE EXECUTE ON FUNCTION $CLAIM_SIG FROM regress_lead, "Regress App";
+REVOKE USAGE ON SCHEMA idempotency FROM regress_lead, regress_worker, "Regress App";
+});
+	return;
+}
+
+# The shared dependencies on roles that initial privileges record (from
+# PostgreSQL 17 on: pg_shdepend rows of deptype 'i') in $db whose object has
+# no initial privileges any more, one line each ("object -> role"); '' when
+# there are none.  Each such row makes DROP ROLE of its role fail.
+sub stale_initacl_deps
+{
+	my ($node, $db) = @_;
+	return $node->safe_psql($db,
+		    "SELECT string_agg(pg_describe_object(s.classid, s.objid, s.objsubid) "
+		  . "|| ' -> ' || s.refobjid::regrole, E'\\n' ORDER BY s.classid, s.objid, "
+		  . "s.refobjid) FROM pg_shdepend s "
+		  . "WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+		  . "AND s.deptype = 'i' AND NOT EXISTS (SELECT FROM pg_init_privs i "
+		  . "WHERE i.classoid = s.classid AND i.objoid = s.objid "
+		  . "AND i.objsubid = s.objsubid)");
 }
 
 # --- waiting ------------------------------------------------------------------------

@@ -1,0 +1,8 @@
+--
+-- idem_version(): the version of the loaded library, whose major.minor is
+-- the extension version that CREATE EXTENSION installs with it
+--
+SELECT idempotency.idem_version();
+SELECT idempotency.idem_version() = '1.2.0' AS is_1_2_0;
+SELECT starts_with(idempotency.idem_version(), extversion || '.') AS starts_with_extversion
+  FROM pg_extension WHERE extname = 'idempotency';
