@@ -25,6 +25,7 @@ int			idem_retention_s = 24 * 60 * 60;
 int			idem_sweep_batch = 1000;
 int			idem_max_response_size = 1024 * 1024;
 int			idem_sweep_interval_ms = 60 * 1000;
+int			idem_stats_exact_limit = 1024;	/* blocks: 8 MB */
 
 /*
  * Define the settings.  Units follow the values users think in: a lease in
@@ -73,6 +74,19 @@ idem_guc_init(void)
 							&idem_sweep_interval_ms,
 							60 * 1000, 0, INT_MAX,
 							PGC_SIGHUP, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+
+	/*
+	 * Superuser-only: a monitoring role polls the stats view, and must not
+	 * be able to turn every poll into a scan of a large table.
+	 */
+	DefineCustomIntVariable("idempotency.stats_exact_limit",
+							"Largest keys table whose key counts the stats view counts exactly.",
+							"Above this size the counts are estimated from the "
+							"planner's statistics; -1 always counts exactly.",
+							&idem_stats_exact_limit,
+							1024, -1, INT_MAX,
+							PGC_SUSET, GUC_UNIT_BLOCKS,
 							NULL, NULL, NULL);
 
 #ifdef IDEM_TEST_PAUSES

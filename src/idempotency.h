@@ -16,7 +16,7 @@
  *	  keylock.c      the per-key advisory lock and the write counters
  *	  wait.c         waiting for an in-flight attempt: shared-memory
  *	                 waiter slots and the wake-up at commit or abort
- *	  stats.c        shared-memory counters behind the idempotency.stats view
+ *	  stats.c        the idempotency.stats view: shared-memory counters, key counts
  *	  worker.c       the background sweeper (launcher + per-database worker)
  *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
  *	  tenant.c       scope bindings: which scopes a role may use
@@ -42,7 +42,7 @@
  * install script ships with it, the last number counts releases of the
  * library that leave the SQL objects alone.
  */
-#define IDEM_VERSION			"1.2.0"
+#define IDEM_VERSION			"1.3.0"
 
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255
@@ -67,6 +67,7 @@ extern int	idem_retention_s;
 extern int	idem_sweep_batch;
 extern int	idem_max_response_size;
 extern int	idem_sweep_interval_ms;
+extern int	idem_stats_exact_limit;
 extern void idem_guc_init(void);
 
 /*
@@ -158,6 +159,18 @@ extern void idem_row_fetch_end(IdemFetch *fetch);
 extern int	idem_row_sweep_candidates(TimestampTz now, int limit,
 									  ItemPointerData **tids,
 									  text ***scopes, text ***keys);
+
+/* Where idem_row_count_keys took its counts from. */
+typedef enum IdemKeyCountSource
+{
+	IDEM_COUNT_EXACT,			/* a scan of the table */
+	IDEM_COUNT_ESTIMATE,		/* the planner's statistics */
+	IDEM_COUNT_UNKNOWN			/* too large to scan, never analyzed */
+} IdemKeyCountSource;
+
+extern IdemKeyCountSource idem_row_count_keys(TimestampTz now,
+											  int exact_limit,
+											  int64 counts[IDEM_NSTATUS]);
 
 /* ---- catalog.c ---- */
 extern Oid	idem_catalog_lock_relation(const char *name);

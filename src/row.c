@@ -7,13 +7,16 @@
  * at its newest state (a dirty snapshot, which also reports whether another
  * transaction is changing the row right now) or through the caller's MVCC
  * snapshot; the fetch of one row version by ctid for the sweeper; the
- * sweep's scan of keys_sweep_at_idx; and decoding a stored row into an
- * IdemRow (a row the functions never write is refused with XX001).  Never
- * waits on another transaction and never writes.
+ * sweep's scan of keys_sweep_at_idx; the key counts of the stats view;
+ * and decoding a stored row into an IdemRow (a row the functions never
+ * write is refused with XX001).  Never waits on another transaction and
+ * never writes.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
+
+#include <math.h>
 
 #include "access/genam.h"
 #include "access/heapam.h"
@@ -22,6 +25,7 @@
 #include "access/stratnum.h"
 #include "access/table.h"
 #include "access/xact.h"
+#include "catalog/pg_statistic.h"
 #include "executor/executor.h"
 #include "miscadmin.h"
 #include "storage/bufmgr.h"
@@ -29,8 +33,10 @@
 #include "utils/builtins.h"
 #include "utils/datum.h"
 #include "utils/fmgroids.h"
+#include "utils/lsyscache.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
+#include "utils/syscache.h"
 #include "utils/timestamp.h"
 
 #include "compat.h"
@@ -444,4 +450,95 @@ idem_row_sweep_candidates(TimestampTz now, int limit,
 	index_close(index, NoLock);
 	table_close(heap, NoLock);
 	return n;
+}
+
+/*
+ * Count the keys of each status.  While the table has at most exact_limit
+ * blocks (-1: whatever its size) the count is exact: a scan through the
+ * active snapshot that leaves out keys whose retention ended before now.
+ * Above that a scan would make every poll of the stats view read the whole
+ * table, so the counts are the planner's estimate instead: the tuple
+ * density pg_class recorded at the last VACUUM or ANALYZE, scaled to the
+ * table's current size, times each status's share among the most common
+ * values ANALYZE recorded for the status column (a status its sample held
+ * fewer than twice is not among them, and estimates as 0).  Estimates
+ * include keys whose retention ended but that the sweep has not deleted
+ * yet.  A table
+ * too large to scan that was never analyzed has no estimate.  A row with a
+ * status the functions never write is not counted: a monitoring query
+ * must keep answering.
+ */
+IdemKeyCountSource
+idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS])
+{
+	const IdemCatalog *catalog = idem_catalog();
+	Relation	heap;
+	BlockNumber nblocks;
+	IdemKeyCountSource source;
+
+	memset(counts, 0, sizeof(int64) * IDEM_NSTATUS);
+	heap = table_open(catalog->keys, AccessShareLock);
+	nblocks = RelationGetNumberOfBlocks(heap);
+
+	if (exact_limit < 0 || nblocks <= (BlockNumber) exact_limit)
+	{
+		TableScanDesc scan;
+		TupleTableSlot *slot = table_slot_create(heap, NULL);
+
+		scan = table_beginscan(heap, GetActiveSnapshot(), 0, NULL);
+		while (table_scan_getnextslot(scan, ForwardScanDirection, slot))
+		{
+			text	   *status;
+			IdemStatus	st;
+
+			CHECK_FOR_INTERRUPTS();
+			slot_getsomeattrs(slot, COL_EXPIRES_AT);
+			if (DatumGetTimestampTz(slot->tts_values[COL_EXPIRES_AT - 1]) <= now)
+				continue;
+			status = DatumGetTextPP(slot->tts_values[COL_STATUS - 1]);
+			if (idem_status_parse(VARDATA_ANY(status), VARSIZE_ANY_EXHDR(status), &st))
+				counts[st]++;
+		}
+		table_endscan(scan);
+		ExecDropSingleTupleTableSlot(slot);
+		source = IDEM_COUNT_EXACT;
+	}
+	else
+	{
+		double		reltuples = heap->rd_rel->reltuples;
+		BlockNumber relpages = heap->rd_rel->relpages;
+		HeapTuple	statstup;
+		AttStatsSlot sslot;
+
+		source = IDEM_COUNT_UNKNOWN;
+		statstup = SearchSysCache3(STATRELATTINH,
+								   ObjectIdGetDatum(catalog->keys),
+								   Int16GetDatum(COL_STATUS),
+								   BoolGetDatum(false));
+		/* reltuples is -1 until the first VACUUM or ANALYZE */
+		if (HeapTupleIsValid(statstup) && reltuples >= 0 && relpages > 0)
+		{
+			double		total = reltuples / relpages * nblocks;
+
+			if (get_attstatsslot(&sslot, statstup, STATISTIC_KIND_MCV, InvalidOid,
+								 ATTSTATSSLOT_VALUES | ATTSTATSSLOT_NUMBERS))
+			{
+				for (int i = 0; i < sslot.nvalues; i++)
+				{
+					text	   *status = DatumGetTextPP(sslot.values[i]);
+					IdemStatus	st;
+
+					if (idem_status_parse(VARDATA_ANY(status),
+										  VARSIZE_ANY_EXHDR(status), &st))
+						counts[st] = (int64) rint(total * sslot.numbers[i]);
+				}
+				free_attstatsslot(&sslot);
+			}
+			source = IDEM_COUNT_ESTIMATE;
+		}
+		if (HeapTupleIsValid(statstup))
+			ReleaseSysCache(statstup);
+	}
+	table_close(heap, AccessShareLock);
+	return source;
 }

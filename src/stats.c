@@ -6,8 +6,9 @@
  * Owns a small shared-memory array of per-database counters (claims,
  * takeovers, replays, in_progress, mismatches, finishes, releases,
  * expired, reset, and the last sweep's time and duration), the
- * SQL-callable functions that read and reset them, and nothing else: the
- * key counts of the view come from the table, in SQL.  Counters live since
+ * SQL-callable functions that read and reset them, and the one that
+ * reports the view's key counts (row.c counts them: exactly on a small
+ * table, from the planner's statistics on a large one).  Counters live since
  * server start and only exist when the library is preloaded; without it,
  * counting is a no-op and the reader returns no rows (the view shows
  * NULLs).  Counters are atomics, so counting never takes a lock.  A
@@ -60,6 +61,7 @@ static void stats_claim_entry(void);
 
 PG_FUNCTION_INFO_V1(idem_stats_counters);
 PG_FUNCTION_INFO_V1(idem_stats_reset);
+PG_FUNCTION_INFO_V1(idem_stats_key_counts);
 
 /* Reserve our shared memory (called from the shmem request hook). */
 void
@@ -270,4 +272,32 @@ idem_stats_reset(PG_FUNCTION_ARGS)
 		SpinLockRelease(&e->mutex);
 	}
 	PG_RETURN_VOID();
+}
+
+/*
+ * idempotency.stats_key_counts(): this database's keys by status, and
+ * whether the counts are exact (see idem_row_count_keys; the limit is
+ * idempotency.stats_exact_limit).  Without an estimate the counts are NULL.
+ */
+Datum
+idem_stats_key_counts(PG_FUNCTION_ARGS)
+{
+	TupleDesc	tupdesc;
+	Datum		values[IDEM_NSTATUS + 1];
+	bool		nulls[IDEM_NSTATUS + 1] = {0};
+	int64		counts[IDEM_NSTATUS];
+	IdemKeyCountSource source;
+
+	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
+		elog(ERROR, "return type must be a row type");
+	source = idem_row_count_keys(GetCurrentTimestamp(), idem_stats_exact_limit,
+								 counts);
+	for (int i = 0; i < IDEM_NSTATUS; i++)
+	{
+		values[i] = Int64GetDatum(counts[i]);
+		nulls[i] = (source == IDEM_COUNT_UNKNOWN);
+	}
+	values[IDEM_NSTATUS] = BoolGetDatum(source == IDEM_COUNT_EXACT);
+	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(BlessTupleDesc(tupdesc),
+													  values, nulls)));
 }

@@ -169,8 +169,12 @@ my %src = (
 	bindings => sql('src', $bindings_sql),
 	grants   => sql('src', $grants_sql),
 	seq      => sql('src', $seq_sql),
-	count    => sql('src', 'SELECT count(*) FROM idempotency.keys'));
+	count    => sql('src', 'SELECT count(*) FROM idempotency.keys'),
+	version  => sql('src', "SELECT extversion FROM pg_extension WHERE extname = 'idempotency'"));
 is($src{count}, 9, 'src: nine stored keys');
+is( $src{version},
+	sql('src', "SELECT default_version FROM pg_available_extensions WHERE name = 'idempotency'"),
+	'src: the newest version is installed');
 is($src{bindings}, 'tenant_a=a:,tenant_b=b:', 'src: two scope bindings');
 is($src{grants}, 'true,true,false', 'src: tenants have USAGE, not idem_sweep');
 
@@ -202,7 +206,7 @@ $node->command_ok(
 foreach my $db ('dst_custom', 'dst_plain')
 {
 	is(sql($db, "SELECT extversion FROM pg_extension WHERE extname = 'idempotency'"),
-		'1.2', "$db: the extension is installed (1.2)");
+		$src{version}, "$db: the extension is installed at the source's version");
 	is(sql($db, $rows_sql), $src{rows}, "$db: every stored key is identical, column for column");
 	is(sql($db, $bindings_sql), $src{bindings}, "$db: scope_bindings restored");
 	is(sql($db, $grants_sql), $src{grants}, "$db: USAGE grants restored, idem_sweep still not granted");

@@ -5,7 +5,7 @@
 \set ON_ERROR_STOP 1
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
-SELECT plan(72);
+SELECT plan(73);
 
 CREATE ROLE regress_idem_app NOLOGIN;
 CREATE ROLE regress_idem_nousage NOLOGIN;
@@ -134,6 +134,8 @@ SELECT is((SELECT count(*)::int FROM idempotency.stats WHERE database = current_
           'the app role reads its database''s stats row');
 SELECT cmp_ok((SELECT succeeded FROM idempotency.stats WHERE database = current_database()), '>=', 1::bigint,
               'with the key counts it has no table privilege for');
+SELECT is((SELECT key_counts_exact FROM idempotency.stats WHERE database = current_database()), true,
+          'counted exactly on a small table');
 RESET ROLE;
 
 -- the rows the app role made are real and owned by nobody but the table

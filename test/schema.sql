@@ -5,14 +5,14 @@
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 SET LOCAL intervalstyle = 'postgres';
-SELECT plan(131);
+SELECT plan(138);
 
 -- the extension
 SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
 SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
           'the extension is not relocatable');
-SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.2',
-          'extension version 1.2');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.3',
+          'extension version 1.3');
 SELECT has_schema('idempotency');
 
 -- the table
@@ -202,7 +202,15 @@ SELECT has_view('idempotency', 'stats', 'view idempotency.stats exists');
 SELECT columns_are('idempotency', 'stats', ARRAY[
     'database', 'claims', 'takeovers', 'replays', 'in_progress', 'mismatches', 'finishes',
     'releases', 'expired', 'reset', 'last_sweep_at', 'last_sweep_ms',
-    'pending', 'succeeded', 'failed']);
+    'pending', 'succeeded', 'failed', 'key_counts_exact']);
+SELECT col_type_is('idempotency'::name, 'stats'::name, 'key_counts_exact'::name, 'boolean'::text,
+                   'stats.key_counts_exact is boolean');
+SELECT has_function('idempotency', 'stats_key_counts', ARRAY[]::name[]);
+SELECT function_returns('idempotency', 'stats_key_counts', ARRAY[]::name[], 'record');
+SELECT function_lang_is('idempotency', 'stats_key_counts', ARRAY[]::name[], 'c');
+SELECT isnt_definer('idempotency', 'stats_key_counts', ARRAY[]::name[]);
+SELECT is((SELECT pg_get_function_result('idempotency.stats_key_counts()'::regprocedure)),
+          'record', 'stats_key_counts() returns one record');
 SELECT has_function('idempotency', 'stats_reset', ARRAY[]::name[]);
 SELECT function_returns('idempotency', 'stats_reset', ARRAY[]::name[], 'void');
 SELECT isnt_definer('idempotency', 'stats_reset', ARRAY[]::name[]);
@@ -249,14 +257,14 @@ BEGIN
 END
 $$;
 SELECT is((SELECT outcome FROM declared), 'mismatch', 'a variable of type claim_result holds an outcome row');
-SELECT is(idempotency.idem_version(), '1.2.0', 'idem_version() names the loaded library, 1.2.0');
+SELECT is(idempotency.idem_version(), '1.3.0', 'idem_version() names the loaded library, 1.3.0');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
               ARRAY['idempotency.lease:user', 'idempotency.retention:user',
                     'idempotency.max_response_size:superuser', 'idempotency.sweep_batch:sighup',
-                    'idempotency.sweep_interval:sighup'],
-              'the five settings and their contexts');
+                    'idempotency.sweep_interval:sighup', 'idempotency.stats_exact_limit:superuser'],
+              'the six settings and their contexts');
 SELECT is(current_setting('idempotency.lease'), '30s', 'lease defaults to 30s');
 SELECT is(current_setting('idempotency.retention'), '1d', 'retention defaults to 24h');
 SELECT is(current_setting('idempotency.max_response_size'), '1MB', 'max_response_size defaults to 1MB');
@@ -264,6 +272,7 @@ SELECT is((SELECT boot_val FROM pg_settings WHERE name = 'idempotency.sweep_batc
           'sweep_batch defaults to 1000');
 SELECT is((SELECT boot_val || unit FROM pg_settings WHERE name = 'idempotency.sweep_interval'), '60000ms',
           'sweep_interval defaults to 60s');
+SELECT is(current_setting('idempotency.stats_exact_limit'), '8MB', 'stats_exact_limit defaults to 8MB');
 
 SELECT * FROM finish();
 ROLLBACK;
