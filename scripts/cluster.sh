@@ -35,6 +35,13 @@
 #                                       in it (pass `idempotency` for ours)
 #   cluster_env <dir> [db]              export PGHOST PGPORT PGUSER PGDATABASE
 #                                       for that cluster
+#   pgbouncer_start <dir> <port> <pool-size>
+#                                       a PgBouncer in transaction pooling mode
+#                                       in front of the cluster in <dir>, on
+#                                       <port> in the cluster's socket directory,
+#                                       with at most <pool-size> server
+#                                       connections per database and user
+#   pgbouncer_stop <dir>                stop it (by its pid file)
 #
 # Settings (environment): PG_BIN (default /usr/lib/postgresql/15/bin),
 # PG_OS_USER (default postgres).
@@ -107,10 +114,12 @@ cluster_stop() {
 		true
 }
 
-# Stop every cluster started by this shell (safe to call more than once).
+# Stop every cluster (and PgBouncer) started by this shell (safe to call
+# more than once).
 cluster_stop_all() {
 	local dir
 	for dir in "${CLUSTER_STARTED[@]}"; do
+		pgbouncer_stop "$dir"
 		cluster_stop "$dir"
 	done
 }
@@ -151,4 +160,64 @@ cluster_env() {
 	export PGPORT
 	export PGUSER=postgres
 	export PGDATABASE="$db"
+}
+
+# Start PgBouncer in front of the cluster in <dir>: transaction pooling, so
+# consecutive transactions of one client may land on different server
+# connections, with at most <pool-size> of them, which is what clients meet
+# behind a pooler.  It listens on <port> in the cluster's socket directory
+# (no TCP), trusts every user as the cluster does, and keeps its files in
+# <dir>/pgbouncer.
+pgbouncer_start() {
+	local dir=$1 port=$2 pool=$3 conf="$1/pgbouncer" i
+	mkdir -p "$conf"
+	cat >"$conf/pgbouncer.ini" <<EOF
+[databases]
+* = host=$dir/socket port=$(cluster_port "$dir")
+
+[pgbouncer]
+listen_addr =
+listen_port = $port
+unix_socket_dir = $dir/socket
+auth_type = trust
+auth_file = $conf/users.txt
+pool_mode = transaction
+default_pool_size = $pool
+min_pool_size = 0
+reserve_pool_size = 0
+max_client_conn = 500
+server_reset_query =
+ignore_startup_parameters = extra_float_digits,options,search_path
+pidfile = $conf/pgbouncer.pid
+logfile = $conf/pgbouncer.log
+EOF
+	echo '"postgres" ""' >"$conf/users.txt"
+	if [[ $(id -u) -eq 0 ]]; then
+		chown -R "$PG_OS_USER": "$conf"
+	fi
+	if ! (cd / && as_postgres pgbouncer -d -q "$conf/pgbouncer.ini"); then
+		echo "cluster.sh: PgBouncer did not start; its log:" >&2
+		cat "$conf/pgbouncer.log" >&2 || true
+		return 1
+	fi
+	# It accepts connections once its socket file exists.
+	for ((i = 0; i < 100; i++)); do
+		[[ -S $dir/socket/.s.PGSQL.$port ]] && return 0
+		sleep 0.1
+	done
+	echo "cluster.sh: PgBouncer did not open $dir/socket/.s.PGSQL.$port" >&2
+	return 1
+}
+
+# Stop the PgBouncer of the cluster in <dir>, if one runs (by its pid file).
+pgbouncer_stop() {
+	local pidfile="$1/pgbouncer/pgbouncer.pid" pid i
+	[[ -f $pidfile ]] || return 0
+	pid=$(cat "$pidfile")
+	kill "$pid" 2>/dev/null || return 0
+	for ((i = 0; i < 100; i++)); do
+		kill -0 "$pid" 2>/dev/null || return 0
+		sleep 0.1
+	done
+	kill -9 "$pid" 2>/dev/null || true
 }

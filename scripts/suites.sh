@@ -14,8 +14,10 @@
 #   suite_isolation <src> <cluster> <spec...>   pg_isolation_regress (ditto)
 #   suite_pgtap <src> <cluster> <file...>       pg_prove, a fresh database each
 #   suite_tap <src> <file...>                   prove, as the postgres user
-#   suite_examples <src> <cluster> <dir...>     examples/*/test.sh or npm test
-#   suite_example_dirs <src>                    print the examples with a test
+#   suite_examples <src> <cluster> <dir...>     clients/*/ and examples/*/:
+#                                               test.sh or npm test
+#   suite_example_dirs <src>                    print the client libraries and
+#                                               examples that have a test
 #   test_pass <name> / test_fail <name> [why]   record a result (its name
 #                                               prefixed with $TEST_PREFIX)
 #   test_summary                                failed names, then the closing
@@ -241,16 +243,20 @@ suite_tap() {
 # Print each examples/<name> (relative to <src>) that has a test entry point.
 suite_example_dirs() {
 	local src=$1 dir
-	for dir in "$src"/examples/*/; do
+	for dir in "$src"/clients/*/ "$src"/examples/*/; do
+		[[ -d $dir ]] || continue
 		dir=${dir%/}
 		if [[ -x $dir/test.sh ]] ||
 			{ [[ -f $dir/package.json ]] && grep -q '"test"[[:space:]]*:' "$dir/package.json"; }; then
-			echo "examples/${dir##*/}"
+			echo "${dir#"$src"/}"
 		fi
 	done
 }
 
-# Examples: per example, a fresh database; test.sh, else npm ci + npm test.
+# Client libraries and examples: per directory, a fresh database; test.sh,
+# else npm ci + npm test.  With SUITE_PGBOUNCER_PORT set, the suites also
+# get IDEM_PGBOUNCER_PORT: a PgBouncer in transaction pooling mode on that
+# port, in the same socket directory as the cluster.
 suite_examples() {
 	local src=$1 cluster=$2 ex name db
 	shift 2
@@ -278,6 +284,7 @@ suite_examples() {
 		if (cd "$src/$ex" && suite_run "$src/.example_$name.log" "$FILE_TIMEOUT" \
 			--as-postgres env "${env[@]}" PGHOST="$(cluster_host "$cluster")" \
 			PGPORT="$(cluster_port "$cluster")" PGUSER=postgres PGDATABASE="$db" \
+			${SUITE_PGBOUNCER_PORT:+IDEM_PGBOUNCER_PORT="$SUITE_PGBOUNCER_PORT"} \
 			"${cmd[@]}"); then
 			test_pass "$ex"
 		else

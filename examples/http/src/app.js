@@ -10,13 +10,14 @@
  *                   transaction as the claim and the finish.
  *   GET  /healthz   liveness.
  *
- * Validation runs before the idempotency middleware, so a malformed request
+ * The Idempotency-Key handling is the pg-idempotency package's Express
+ * middleware (clients/node).  Validation runs before it, so a malformed request
  * gets its 400 without using up the key (the client fixes the body and sends
  * it again with the same key).
  */
 
 const express = require('express');
-const { createIdempotency, captureRawBody, HttpProblem } = require('./idempotency');
+const { expressIdempotency, rawBody } = require('pg-idempotency');
 
 const PROBLEMS = 'https://payments.example/problems/';
 
@@ -25,9 +26,13 @@ function problemBody(status, type, title, detail) {
 	return { type: PROBLEMS + type, title, status, detail };
 }
 
+function sendProblem(res, status, type, title, detail) {
+	res.status(status).type('application/problem+json')
+		.send(JSON.stringify(problemBody(status, type, title, detail)));
+}
+
 function badRequest(res, detail) {
-	res.status(400).type('application/problem+json')
-		.send(JSON.stringify(problemBody(400, 'invalid-request', 'Invalid request', detail)));
+	sendProblem(res, 400, 'invalid-request', 'Invalid request', detail);
 }
 
 function validatePayment(req, res, next) {
@@ -49,17 +54,19 @@ function validateOrder(req, res, next) {
 }
 
 /*
- * createApp({ pool, downstreamUrl, leaseMs, faults })
+ * createApp({ pool, downstreamUrl, lease, retention, faults })
+ *   lease, retention: seconds (the middleware's options)
  *   faults: honour the X-Simulate-Failure request header (for the tests only)
  */
-function createApp({ pool, downstreamUrl, leaseMs, retention, faults = false, log }) {
+function createApp({ pool, downstreamUrl, lease, retention, faults = false, log }) {
 	const app = express();
 	app.disable('x-powered-by');
-	app.use(express.json({ verify: captureRawBody }));
+	/* the fingerprint hashes the raw body bytes: keep them */
+	app.use(express.json({ verify: rawBody }));
 
-	const idem = createIdempotency({
+	const idem = expressIdempotency({
 		pool,
-		leaseMs,
+		lease,
 		retention,
 		log,
 		/* tenants: the same key from two clients names two operations */
@@ -69,8 +76,13 @@ function createApp({ pool, downstreamUrl, leaseMs, retention, faults = false, lo
 
 	app.get('/healthz', (req, res) => res.json({ ok: true }));
 
-	/* (a) external call: at least once towards the processor, deduped there */
-	app.post('/payments', validatePayment, idem.external(async (req, ctx) => {
+	/*
+	 * (a) external call: at least once towards the processor, deduped there.
+	 * A 5xx answer releases the key (the retry charges again, deduped by the
+	 * processor); a 4xx answer is stored as failed and replayed.
+	 */
+	app.post('/payments', validatePayment, idem, async (req, res) => {
+		const { key, scope, token } = req.idempotency;
 		let answer;
 		try {
 			answer = await fetch(`${downstreamUrl}/charges`, {
@@ -79,61 +91,60 @@ function createApp({ pool, downstreamUrl, leaseMs, retention, faults = false, lo
 					'content-type': 'application/json',
 					/* the processor's key namespace is ours: prefix the tenant */
 					'idempotency-key': JSON.stringify(
-						`${encodeURIComponent(ctx.scope)}:${encodeURIComponent(ctx.key)}`),
-					'fencing-token': String(ctx.token),
+						`${encodeURIComponent(scope)}:${encodeURIComponent(key)}`),
+					'fencing-token': token,
 				},
 				body: JSON.stringify({ amount: req.body.amount, currency: req.body.currency }),
 			});
-		} catch (err) {
+		} catch {
 			/* no answer: we do not know whether it charged; the retry asks again */
-			throw new HttpProblem(502, 'processor-unreachable', 'Payment processor unreachable',
+			return sendProblem(res, 502, 'processor-unreachable', 'Payment processor unreachable',
 				'The payment processor did not answer. Retry with the same Idempotency-Key.');
 		}
 		const charge = await answer.json().catch(() => ({}));
 		if (answer.status === 409 && charge.type?.endsWith('/stale-fencing-token'))
-			throw new HttpProblem(409, 'stale-attempt', 'Attempt superseded',
+			return sendProblem(res, 409, 'stale-attempt', 'Attempt superseded',
 				'A newer attempt for this Idempotency-Key reached the processor first.');
 		if (answer.status >= 500)
-			return {
-				status: 502, body: problemBody(502, 'processor-unavailable',
-					'Payment processor unavailable',
-					'The payment processor failed. Retry with the same Idempotency-Key.'),
-			};
+			return sendProblem(res, 502, 'processor-unavailable', 'Payment processor unavailable',
+				'The payment processor failed. Retry with the same Idempotency-Key.');
 		if (answer.status >= 400)
-			return {
-				status: 402, body: problemBody(402, 'payment-declined', 'Payment declined',
-					charge.detail ?? `The processor declined the charge (${answer.status}).`),
-			};
-		return {
-			status: 201,
-			body: {
-				payment: `pay_${charge.id}`,
-				charge: charge.id,
-				amount: charge.amount,
-				currency: charge.currency,
-				status: 'succeeded',
-			},
-		};
-	}));
+			return sendProblem(res, 402, 'payment-declined', 'Payment declined',
+				charge.detail ?? `The processor declined the charge (${answer.status}).`);
+		return res.status(201).json({
+			payment: `pay_${charge.id}`,
+			charge: charge.id,
+			amount: charge.amount,
+			currency: charge.currency,
+			status: 'succeeded',
+		});
+	});
 
 	/* (b) in-transaction: the order row commits with the stored result, or neither */
-	app.post('/orders', validateOrder, idem.transactional(async (req, ctx) => {
-		const { rows } = await ctx.client.query(
+	app.post('/orders', validateOrder, idem.transactional, async (req, res) => {
+		const { key, client } = req.idempotency;
+		const { rows } = await client.query(
 			`INSERT INTO orders (request_key, item, quantity)
 			 VALUES ($1, $2, $3)
 			 RETURNING id, item, quantity, created_at`,
-			[ctx.key, req.body.item, req.body.quantity]);
+			[key, req.body.item, req.body.quantity]);
 		if (faults && req.get('X-Simulate-Failure') === 'after-insert')
 			throw new Error('simulated failure after the INSERT');
 		const order = rows[0];
-		return {
-			status: 201,
-			body: {
-				order: Number(order.id), item: order.item, quantity: order.quantity,
-				created_at: order.created_at.toISOString(),
-			},
-		};
-	}));
+		return res.status(201).json({
+			order: Number(order.id), item: order.item, quantity: order.quantity,
+			created_at: order.created_at.toISOString(),
+		});
+	});
+
+	/* a thrown error: a 500 problem, which releases the key (or rolls the transaction back) */
+	app.use((err, req, res, next) => {
+		if (res.headersSent)
+			return next(err);
+		(log ?? console.error)('request failed', err);
+		return sendProblem(res, 500, 'internal-error', 'Internal server error',
+			'The request failed and was not recorded; retry with the same Idempotency-Key.');
+	});
 
 	return app;
 }

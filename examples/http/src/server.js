@@ -5,8 +5,8 @@
  *   PGHOST=... PGDATABASE=... DOWNSTREAM_URL=http://127.0.0.1:4000 node src/server.js
  *
  * Settings (environment): PORT (default 3000; 0 picks a free port),
- * DOWNSTREAM_URL, IDEM_LEASE_MS (default 30000), IDEM_RETENTION (a PostgreSQL
- * interval; default: the server's idempotency.retention), POOL_SIZE (default 10),
+ * DOWNSTREAM_URL, IDEM_LEASE (seconds, default 30), IDEM_RETENTION (seconds,
+ * default 86400), POOL_SIZE (default 10),
  * EXAMPLE_FAULTS=1 (honour X-Simulate-Failure; tests only), EXIT_WITH_STDIN=1
  * (exit when stdin closes: the test harness's way to never leave orphans).  The connection
  * comes from the usual libpq variables: PGHOST, PGPORT, PGUSER, PGDATABASE,
@@ -22,8 +22,8 @@ pool.on('error', (err) => console.error('idle database connection failed', err))
 const app = createApp({
 	pool,
 	downstreamUrl: process.env.DOWNSTREAM_URL ?? 'http://127.0.0.1:4000',
-	leaseMs: Number(process.env.IDEM_LEASE_MS ?? 30000),
-	retention: process.env.IDEM_RETENTION ?? null,
+	lease: Number(process.env.IDEM_LEASE ?? 30),
+	retention: Number(process.env.IDEM_RETENTION ?? 86400),
 	faults: process.env.EXAMPLE_FAULTS === '1',
 });
 

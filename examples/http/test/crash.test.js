@@ -95,7 +95,7 @@ test('service paused past its lease: the takeover wins, the old attempt is fence
 		sleeper.child.kill('SIGCONT');
 		const old = await oldAttempt;
 		assert.equal(old.status, 409, old.text);
-		assert.ok(json(old).type.endsWith('/idempotency-claim-lost'));
+		assert.ok(json(old).type.endsWith('/idempotency-key-lost'));
 
 		const calls = downstream.requestsFor(dkey);
 		assert.deepEqual(calls.map((r) => r.outcome), ['charged', 'stale']);

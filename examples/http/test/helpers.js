@@ -26,7 +26,7 @@ function startService(downstreamUrl, extraEnv = {}) {
 			...process.env,
 			PORT: '0',
 			DOWNSTREAM_URL: downstreamUrl,
-			IDEM_LEASE_MS: String(LEASE_MS),
+			IDEM_LEASE: String(LEASE_MS / 1000),
 			EXAMPLE_FAULTS: '1',
 			PGOPTIONS: APP_ROLE_OPTIONS,
 			EXIT_WITH_STDIN: '1',     /* dies with the test process, whatever kills it */

@@ -57,6 +57,11 @@ function assertProblem(answer, status, typeSuffix) {
 	return p;
 }
 
+/*
+ * The header rules, replay, status policy, heartbeat and cache are tested by
+ * the pg-idempotency package itself (clients/node); these tests cover what
+ * this service adds: validation before the key, the processor, the orders.
+ */
 describe('the Idempotency-Key header', () => {
 	test('a POST without the header is refused with 400 and never runs', async () => {
 		const before = downstream.requests.length;
@@ -64,40 +69,6 @@ describe('the Idempotency-Key header', () => {
 		const p = assertProblem(answer, 400, 'idempotency-key-missing');
 		assert.match(p.detail, /requires an Idempotency-Key header/);
 		assert.equal(downstream.requests.length, before);
-	});
-
-	test('a key over 255 characters is refused with 400 and a clear message', async () => {
-		const key = newKey().padEnd(256, 'x');
-		const p = assertProblem(await pay(key), 400, 'idempotency-key-too-long');
-		assert.match(p.detail, /256 characters long; the limit is 255 characters/);
-		const { rows } = await db.query(
-			'SELECT count(*)::int AS n FROM idempotency.keys WHERE key LIKE $1', [key.slice(0, 40) + '%']);
-		assert.equal(rows[0].n, 0);
-		assert.equal(downstream.requestsFor(downstream.keyFor(key)).length, 0);
-	});
-
-	test('a key of exactly 255 characters is accepted', async () => {
-		const key = newKey().padEnd(255, 'y');
-		const answer = await pay(key);
-		assert.equal(answer.status, 201, answer.text);
-		assert.equal((await lookup(key)).status, 'succeeded');
-	});
-
-	test('the structured-field string form names the same key as the bare form', async () => {
-		const key = newKey();
-		const first = await pay(`"${key}"`);
-		assert.equal(first.status, 201, first.text);
-		const second = await pay(key);
-		assert.equal(second.status, 201);
-		assert.equal(second.headers.get('idempotent-replayed'), 'true');
-		assert.equal(second.text, first.text);
-		assert.equal(downstream.chargeCount(downstream.keyFor(key)), 1);
-	});
-
-	test('a malformed or empty key is refused with 400', async () => {
-		assertProblem(await pay('"unterminated'), 400, 'idempotency-key-invalid');
-		assertProblem(await pay('""'), 400, 'idempotency-key-invalid');
-		assertProblem(await pay('"a", "b"'), 400, 'idempotency-key-invalid');
 	});
 
 	test('a request that fails validation does not use up its key', async () => {
@@ -169,13 +140,14 @@ describe('external-call mode (POST /payments)', () => {
 		const first = await pay(key, { currency: 'USD', amount: 990 });
 		assert.equal(first.status, 201);
 		assert.equal(first.headers.get('idempotent-replayed'), null);
-		/* the same JSON value with other key order and spacing is the same request */
-		const again = await pay(key, '{ "amount": 990,\n "currency": "USD" }');
+		const again = await pay(key, { currency: 'USD', amount: 990 });
 		assert.equal(again.status, first.status);
 		assert.equal(again.headers.get('content-type'), first.headers.get('content-type'));
 		assert.equal(again.headers.get('idempotent-replayed'), 'true');
 		assert.deepEqual(Buffer.from(again.text), Buffer.from(first.text));
 		assert.equal(json(first).amount, 990);
+		/* the fingerprint hashes the raw bytes: other spacing is another request */
+		assertProblem(await pay(key, '{ "currency": "USD", "amount": 990 }'), 422, 'idempotency-key-reused');
 		assert.equal(downstream.requestsFor(downstream.keyFor(key)).length, 1);
 		const state = await lookup(key);
 		assert.equal(state.status, 'succeeded');
@@ -220,7 +192,7 @@ describe('external-call mode (POST /payments)', () => {
 		const state = await lookup(key);
 		assert.equal(state.status, 'failed');
 		assert.equal(state.response_code, 402);
-		assert.equal(state.response_body.title, 'Payment declined');
+		assert.equal(state.response_body.json.title, 'Payment declined');
 		const again = await pay(key, body);
 		assert.equal(again.status, 402);
 		assert.equal(again.headers.get('idempotent-replayed'), 'true');
@@ -247,7 +219,7 @@ describe('in-transaction mode (POST /orders)', () => {
 		const key = newKey();
 		const first = await order(key, { item: 'lamp', quantity: 2 });
 		assert.equal(first.status, 201, first.text);
-		const again = await order(key, { quantity: 2, item: 'lamp' });
+		const again = await order(key, { item: 'lamp', quantity: 2 });
 		assert.equal(again.headers.get('idempotent-replayed'), 'true');
 		assert.deepEqual(Buffer.from(again.text), Buffer.from(first.text));
 		const rows = await ordersFor(key);
@@ -310,7 +282,7 @@ describe('connection pooling', () => {
 				throw new Error('external mode must not hold a connection');
 			},
 		};
-		const app = createApp({ pool: roundRobinPool, downstreamUrl: await downstreamUrlOf(), leaseMs: 60000 });
+		const app = createApp({ pool: roundRobinPool, downstreamUrl: await downstreamUrlOf(), lease: 60 });
 		const server = await new Promise((resolve) => {
 			const s = app.listen(0, '127.0.0.1', () => resolve(s));
 		});

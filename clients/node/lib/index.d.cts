@@ -1,0 +1,210 @@
+// Types of pg-idempotency.  Written by hand; index.d.mts is the same text for
+// the ESM entry.  pg is typed structurally (anything with query(), and
+// connect() for the transactional mode), so @types/pg is not needed and a
+// wrapped pool fits.
+
+/// <reference types="node" />
+import type { IncomingMessage, ServerResponse } from 'node:http';
+
+/** The part of a pg result this library reads. */
+export interface QueryResultLike {
+	rows: any[];
+}
+
+/** Anything that runs one statement: a pg.Pool, a pg.Client. */
+export interface Queryable {
+	query(text: string, values?: unknown[]): Promise<QueryResultLike>;
+}
+
+/** A pooled client (pg.PoolClient). */
+export interface PoolClientLike extends Queryable {
+	release(err?: Error | boolean): void;
+}
+
+/** A pg.Pool: query() for autocommit statements, connect() for the transactional mode. */
+export interface PoolLike extends Queryable {
+	connect(): Promise<PoolClientLike>;
+}
+
+/** JSON values as stored in jsonb. */
+export type JsonValue = string | number | boolean | null | JsonValue[] | { [key: string]: JsonValue };
+
+/** Durations are numbers of seconds (fractions allowed). */
+export type Seconds = number;
+
+// ---------------------------------------------------------------- jobs
+
+export interface IdempotentOptions {
+	/** The idempotency key (1 to 255 characters), e.g. a message id. */
+	key: string;
+	/** The request payload; the same key with a different payload throws MismatchError. Omit: no check. */
+	request?: unknown;
+	/** Tenant, queue or consumer group the key belongs to. Default ''. */
+	scope?: string;
+	/** How long a claim is protected from takeover; a heartbeat extends it every lease/3. Default 30. */
+	lease?: Seconds;
+	/** How long the stored result is kept. Default 86400 (24 h). */
+	retention?: Seconds;
+	/** How long to wait for another attempt in progress before throwing InProgressError. Default 0. */
+	wait?: Seconds;
+	/** true: release the key and rethrow (the next call runs again); false: store the failure. Default: every error is retryable. */
+	retryable?: (err: unknown) => boolean;
+	/** Where unexpected heartbeat errors go. Default console.error. */
+	log?: (message: string, err?: unknown) => void;
+}
+
+export interface AttemptInfo {
+	key: string;
+	scope: string;
+	/** Fencing token: larger for every newer attempt; pass it downstream. Decimal string of a bigint. */
+	token: string;
+	/** 1 for the first attempt; more means an earlier attempt may have run partly. */
+	attempt: number;
+	/** Aborts (with a KeyLostError reason) when the key is lost to a takeover. */
+	signal: AbortSignal;
+}
+
+export type IdempotentResult<T> =
+	| { replayed: false; value: T; attempt: number; token: string }
+	| { replayed: true; value: Jsonified<T>; attempt: null; token: null };
+
+/** What a value becomes after a JSON round trip (near enough for typing replays). */
+export type Jsonified<T> = T extends { toJSON(): infer R }
+	? R
+	: T extends (...args: any[]) => any
+		? never
+		: T extends object
+			? { [K in keyof T]: Jsonified<T[K]> }
+			: T;
+
+/**
+ * Run fn at most once per (scope, key) until the key's retention passes; later
+ * calls get the stored value (replayed: true) without running fn.
+ *
+ * @throws InProgressError another attempt holds the key
+ * @throws MismatchError the key was used with a different request
+ * @throws StoredFailureError the key holds a failure stored by a non-retryable error
+ * @throws KeyLostError the lease ran out and another attempt took the key over
+ */
+export function idempotent<T>(
+	pool: Queryable,
+	options: IdempotentOptions,
+	fn: (attempt: AttemptInfo) => T | Promise<T>,
+): Promise<IdempotentResult<Awaited<T>>>;
+
+// ---------------------------------------------------------------- HTTP
+
+export type StoreDecision = 'succeeded' | 'failed' | 'release';
+
+export interface HttpOptions<Req> {
+	/** The pg pool. The transactional mode needs connect(). */
+	pool: PoolLike | Queryable;
+	/** The key's scope: tenant or principal, e.g. req.user.id. Never a client-chosen header unless you trust it. Default ''. */
+	scope?: (req: Req) => string | Promise<string>;
+	/** The request fingerprint. Default: {method, path, body_sha256} of the raw body bytes. */
+	fingerprint?: (req: Req) => unknown;
+	/** Methods covered. Default ['POST', 'PATCH']. */
+	methods?: string[];
+	/** Refuse a covered request without the header (400). Default true. */
+	required?: boolean;
+	/** Lease of a claim; the heartbeat extends it every lease/3. Default 30. */
+	lease?: Seconds;
+	/** How long results are kept; sent as Idempotency-Key-Retention. Default 86400. */
+	retention?: Seconds;
+	/** What a response status does to the key. Default: defaultStorePolicy. */
+	storePolicy?: (status: number) => StoreDecision;
+	/** Response headers stored and replayed (lower case). Default ['content-type', 'location']. */
+	storeHeaders?: string[];
+	/** Prefix of the problem `type`. Default 'urn:idempotency:problem:'. */
+	problemTypeBase?: string;
+	/** In-process LRU of finished results. Off by default. */
+	cache?: { max: number };
+	/** Where lost keys and database errors are reported. Default console.error. */
+	log?: (message: string, err?: unknown) => void;
+	/** Called after every successful heartbeat (monitoring). */
+	onHeartbeat?: () => void;
+}
+
+/** What req.idempotency holds while a claimed request's handler runs. */
+export interface IdempotencyContext {
+	key: string;
+	scope: string;
+	/** Fencing token (decimal string): pass it downstream with the key. */
+	token: string;
+	/** 1 for the first attempt; more: an earlier attempt may have run partly. */
+	attempt: number;
+	/** Aborts when the key is lost to a takeover. */
+	signal: AbortSignal;
+	/** Transactional mode: the client of the open transaction; write on it. */
+	client?: PoolClientLike;
+}
+
+/** The attempt context of a covered, claimed request (Express or Fastify). */
+export function idempotencyContext(req: { idempotency?: IdempotencyContext | null }): IdempotencyContext | undefined;
+
+export interface ExpressIdempotencyMiddleware {
+	(req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void): Promise<void>;
+	/** The same middleware in transactional mode: BEGIN, claim, handler's writes on req.idempotency.client, finish, COMMIT. */
+	transactional: (req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void) => Promise<void>;
+	/** The cache of finished results, when enabled. */
+	cache: { readonly size: number } | null;
+}
+
+/** Express (or connect-style) middleware honouring the Idempotency-Key header. */
+export function expressIdempotency<Req extends IncomingMessage = IncomingMessage>(
+	options: HttpOptions<Req>,
+): ExpressIdempotencyMiddleware;
+
+/** Per-route Fastify setting: `config: { idempotency: false }` or `{ idempotency: { transactional: true } }`. */
+export type FastifyRouteIdempotency = false | { transactional?: boolean };
+
+/** Fastify plugin; `app.register(fastifyIdempotency, options)`. Needs no fastify-plugin. */
+export function fastifyIdempotency(instance: any, options: HttpOptions<any>): Promise<void>;
+
+/** Body-parser verify hook keeping the raw bytes: express.json({ verify: rawBody }). */
+export function rawBody(req: IncomingMessage, res: ServerResponse, buf: Buffer): void;
+
+export type ParsedIdempotencyKey =
+	| { key: string }
+	| { missing: true }
+	| { problem: 'idempotency-key-malformed' | 'idempotency-key-repeated' | 'idempotency-key-too-long'; detail: string };
+
+/** Parse Idempotency-Key field lines (RFC 8941 sf-string, bare sf-token tolerated). */
+export function parseIdempotencyKey(values: string | string[] | undefined): ParsedIdempotencyKey;
+
+/** 2xx/3xx succeeded; 4xx failed except 408, 409, 425, 429 released; 5xx released. */
+export function defaultStorePolicy(status: number): StoreDecision;
+
+export const MAX_KEY_LENGTH: 255;
+
+// ---------------------------------------------------------------- errors
+
+export class IdempotencyError extends Error {}
+
+export class InProgressError extends IdempotencyError {
+	readonly key: string;
+	/** Seconds until the other attempt's lease ends (at least 1). */
+	readonly retryAfter: number;
+}
+
+export class MismatchError extends IdempotencyError {
+	readonly key: string;
+}
+
+export class StoredFailureError extends IdempotencyError {
+	readonly key: string;
+	readonly stored: { name: string; message: string };
+}
+
+export class KeyLostError extends IdempotencyError {
+	readonly key: string;
+}
+
+declare module 'http' {
+	interface IncomingMessage {
+		/** Set by pg-idempotency on a covered, claimed request. */
+		idempotency?: IdempotencyContext;
+		/** The raw body bytes, kept by rawBody() or read by the middleware. */
+		rawBody?: Buffer;
+	}
+}

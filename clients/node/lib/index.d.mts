@@ -1,0 +1,2 @@
+// The ESM entry re-exports the CommonJS module; so do its types.
+export * from './index.cjs';

@@ -1,0 +1,19 @@
+// The ESM entry re-exports the CommonJS build, so both entry points share one
+// module instance (one set of error classes for instanceof checks).
+import cjs from './index.cjs';
+
+export const {
+	idempotent,
+	expressIdempotency,
+	fastifyIdempotency,
+	rawBody,
+	idempotencyContext,
+	parseIdempotencyKey,
+	defaultStorePolicy,
+	IdempotencyError,
+	InProgressError,
+	MismatchError,
+	StoredFailureError,
+	KeyLostError,
+	MAX_KEY_LENGTH,
+} = cjs;

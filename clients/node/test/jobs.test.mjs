@@ -1,0 +1,153 @@
+// idempotent(pool, options, fn) against a real PostgreSQL.
+import { test, after } from 'node:test';
+import assert from 'node:assert/strict';
+import pg from 'pg';
+import {
+	idempotent, InProgressError, MismatchError, StoredFailureError, KeyLostError,
+} from 'pg-idempotency';
+import { db, row, newKey, deferred, waitFor, recordingPool } from './helpers.mjs';
+
+const pool = new pg.Pool({ max: 6 });
+
+after(async () => {
+	await pool.end();
+	await db.end();
+});
+
+test('runs once, stores the value as json, replays it without running again', async () => {
+	const key = newKey('job');
+	let runs = 0;
+	const fn = async ({ attempt, token, signal }) => {
+		runs++;
+		assert.equal(signal.aborted, false);
+		return { booked: 7, attempt, token };
+	};
+	const first = await idempotent(pool, { key, request: { order: 7 }, scope: 'ledger' }, fn);
+	assert.equal(first.replayed, false);
+	assert.equal(first.attempt, 1);
+	assert.match(first.token, /^\d+$/);
+	const r = await row(key, 'ledger');
+	assert.equal(r.status, 'succeeded');
+	assert.equal(r.attempt, 1);
+	assert.equal(r.response_code, null);
+	assert.deepEqual(r.response_body, { v: 1, json: { booked: 7, attempt: 1, token: first.token } });
+	const again = await idempotent(pool, { key, request: { order: 7 }, scope: 'ledger' }, fn);
+	assert.deepEqual(again, { replayed: true, value: first.value, attempt: null, token: null });
+	assert.equal(runs, 1);
+});
+
+test('undefined is stored as no value; null as json null', async () => {
+	const a = newKey('job');
+	await idempotent(pool, { key: a }, async () => undefined);
+	assert.deepEqual((await row(a)).response_body, { v: 1 });
+	assert.equal((await idempotent(pool, { key: a }, async () => 1)).value, undefined);
+	const b = newKey('job');
+	await idempotent(pool, { key: b }, async () => null);
+	assert.deepEqual((await row(b)).response_body, { v: 1, json: null });
+});
+
+test('a different request under the same key throws MismatchError', async () => {
+	const key = newKey('job');
+	await idempotent(pool, { key, request: { amount: 100 } }, async () => 'ok');
+	await assert.rejects(idempotent(pool, { key, request: { amount: 101 } }, async () => 'no'), MismatchError);
+});
+
+test('in progress elsewhere: InProgressError with retryAfter; with wait, the stored value', async () => {
+	const key = newKey('job');
+	const entered = deferred();
+	const release = deferred();
+	const owner = idempotent(pool, { key }, async () => { entered.resolve(); await release.promise; return 'done'; });
+	await entered.promise;
+	const err = await idempotent(pool, { key }, async () => 'twice').catch((e) => e);
+	assert.ok(err instanceof InProgressError, String(err));
+	assert.ok(err.retryAfter >= 1);
+	const waiting = idempotent(pool, { key, wait: 30 }, async () => 'twice');
+	await waitFor(async () => {
+		const { rows } = await db.query(
+			"SELECT count(*)::int AS n FROM pg_stat_activity WHERE query LIKE '%idem_claim%' AND state = 'active' AND pid <> pg_backend_pid()");
+		return rows[0].n > 0;
+	}, 'the waiting claim');
+	release.resolve();
+	assert.equal((await owner).value, 'done');
+	const waited = await waiting;
+	assert.equal(waited.replayed, true);
+	assert.equal(waited.value, 'done');
+});
+
+test('a retryable error releases the key and is rethrown; the next call is a fresh attempt', async () => {
+	const key = newKey('job');
+	const boom = new Error('downstream timeout');
+	await assert.rejects(idempotent(pool, { key }, async () => { throw boom; }), (e) => e === boom);
+	assert.equal(await row(key), null);
+	const next = await idempotent(pool, { key }, async ({ attempt }) => attempt);
+	assert.equal(next.value, 1);
+});
+
+test('a non-retryable error is stored as failed and replayed as StoredFailureError', async () => {
+	const key = newKey('job');
+	class CardDeclined extends Error { constructor() { super('card declined'); this.name = 'CardDeclined'; } }
+	const retryable = (e) => !(e instanceof CardDeclined);
+	await assert.rejects(idempotent(pool, { key, retryable }, async () => { throw new CardDeclined(); }), CardDeclined);
+	const r = await row(key);
+	assert.equal(r.status, 'failed');
+	assert.deepEqual(r.response_body, { v: 1, error: { name: 'CardDeclined', message: 'card declined' } });
+	let ran = false;
+	const err = await idempotent(pool, { key, retryable }, async () => { ran = true; }).catch((e) => e);
+	assert.ok(err instanceof StoredFailureError);
+	assert.deepEqual(err.stored, { name: 'CardDeclined', message: 'card declined' });
+	assert.equal(ran, false);
+});
+
+test('the heartbeat keeps a job slower than its lease: no takeover, attempt stays 1', async () => {
+	const key = newKey('job');
+	const counted = recordingPool(pool);
+	const release = deferred();
+	const job = idempotent(counted, { key, lease: 0.6 }, async () => { await release.promise; return 'slow'; });
+	await waitFor(() => counted.log.filter((e) => e.kind === 'extend' && e.ok).length >= 6, 'six heartbeats');
+	await assert.rejects(idempotent(pool, { key }, async () => 'stolen'), InProgressError);
+	release.resolve();
+	const done = await job;
+	assert.equal(done.attempt, 1);
+	const r = await row(key);
+	assert.equal(r.status, 'succeeded');
+	assert.equal(r.attempt, 1);
+	assert.deepEqual(r.response_body.json, 'slow');
+});
+
+test('a job whose key is taken over: signal aborts, KeyLostError, the new owner\'s row untouched', async () => {
+	const key = newKey('job');
+	const entered = deferred();
+	const aborted = deferred();
+	const job = idempotent(pool, { key, lease: 0.6 }, async ({ signal }) => {
+		signal.addEventListener('abort', () => aborted.resolve(signal.reason));
+		entered.resolve();
+		await aborted.promise;
+		return 'too late';
+	});
+	await entered.promise;
+	const client = await db.connect();
+	let taken;
+	try {
+		await client.query('BEGIN');
+		await client.query(`UPDATE idempotency.keys SET lease_until = clock_timestamp() - interval '1 second' WHERE key = $1`, [key]);
+		taken = (await client.query('SELECT outcome, attempt, token::text AS token FROM idempotency.idem_claim(key => $1)', [key])).rows[0];
+		await client.query('COMMIT');
+	} finally {
+		client.release();
+	}
+	assert.equal(taken.outcome, 'claimed');
+	assert.equal(taken.attempt, 2);
+	assert.ok((await aborted.promise) instanceof KeyLostError);
+	await assert.rejects(job, KeyLostError);
+	const r = await row(key);
+	assert.equal(r.status, 'pending');
+	assert.equal(r.token, taken.token);
+});
+
+test('argument errors are TypeErrors before any statement', async () => {
+	const counted = recordingPool(pool);
+	await assert.rejects(idempotent(counted, { key: '' }, async () => 1), TypeError);
+	await assert.rejects(idempotent(counted, { key: 'k', lease: -1 }, async () => 1), TypeError);
+	await assert.rejects(idempotent(counted, { key: 'k' }), TypeError);
+	assert.equal(counted.count(), 0);
+});

@@ -1,0 +1,111 @@
+// Through PgBouncer in transaction pooling mode (IDEM_PGBOUNCER_PORT, same
+// host as PGHOST): claim and finish land on different server connections, and
+// the heartbeat goes through the pooler.
+import { test, describe, after } from 'node:test';
+import assert from 'node:assert/strict';
+import pg from 'pg';
+import { idempotent } from 'pg-idempotency';
+import { db, row, newKey, deferred, waitFor, recordingPool, send, startExpress } from './helpers.mjs';
+
+const port = process.env.IDEM_PGBOUNCER_PORT;
+const skip = port ? false : 'IDEM_PGBOUNCER_PORT is not set: no PgBouncer to test through';
+const host = process.env.IDEM_PGBOUNCER_HOST ?? process.env.PGHOST;
+const bouncer = port ? new pg.Pool({ host, port: Number(port), max: 8 }) : null;
+
+after(async () => {
+	await bouncer?.end();
+	await db.end();
+});
+
+/*
+ * Hold, in an open transaction through the pooler, the server connection
+ * whose backend pid is `pid`; the pooler's other server connection is then
+ * the only one left for the next statements.
+ */
+async function occupy(pid) {
+	const a = new pg.Client({ host, port: Number(port) });
+	const b = new pg.Client({ host, port: Number(port) });
+	await a.connect();
+	await b.connect();
+	const pidOf = async (c) => {
+		await c.query('BEGIN');
+		return (await c.query('SELECT pg_backend_pid() AS pid')).rows[0].pid;
+	};
+	const pa = await pidOf(a);
+	const pb = await pidOf(b);
+	assert.ok([pa, pb].includes(pid), `the pooler's two server connections are ${pa} and ${pb}`);
+	const [holder, other] = pa === pid ? [a, b] : [b, a];
+	await other.query('COMMIT');
+	await other.end();
+	return async () => {
+		await holder.query('COMMIT');
+		await holder.end();
+	};
+}
+
+describe('through PgBouncer (transaction pooling)', { skip }, () => {
+	test('a job: claim and finish on different server connections, heartbeat through the pooler', async () => {
+		const counted = recordingPool(bouncer);
+		const key = newKey('pgb-job');
+		const entered = deferred();
+		const release = deferred();
+		const job = idempotent(counted, { key, lease: 0.6 }, async () => {
+			entered.resolve();
+			await release.promise;
+			return 'pooled';
+		});
+		await entered.promise;
+		await waitFor(() => counted.log.filter((e) => e.kind === 'extend' && e.ok).length >= 4, 'heartbeats');
+		const claimPid = counted.log.find((e) => e.kind === 'claim').pid;
+		const free = await occupy(claimPid);
+		try {
+			release.resolve();
+			const done = await job;
+			assert.equal(done.attempt, 1);
+		} finally {
+			await free();
+		}
+		const finishPid = counted.log.find((e) => e.kind === 'finish').pid;
+		assert.notEqual(finishPid, claimPid, 'claim and finish ran on different server connections');
+		const r = await row(key);
+		assert.equal(r.status, 'succeeded');
+		assert.equal(r.attempt, 1);
+		assert.deepEqual(r.response_body.json, 'pooled');
+	});
+
+	test('Express: claim and finish on different server connections; replay and the transactional mode work too', async () => {
+		const counted = recordingPool(bouncer);
+		const app = await startExpress({ pool: counted });
+		try {
+			await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
+				id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
+			const key = newKey('pgb-http');
+			const gate = app.control.gate(key);
+			const first = send(app.url, '/slow', { key });
+			await gate.entered.promise;
+			const claimPid = counted.log.find((e) => e.kind === 'claim').pid;
+			const free = await occupy(claimPid);
+			let done;
+			try {
+				gate.release.resolve();
+				done = await first;
+			} finally {
+				await free();
+			}
+			assert.equal(done.status, 201, done.text);
+			const finishPid = counted.log.find((e) => e.kind === 'finish').pid;
+			assert.notEqual(finishPid, claimPid, 'claim and finish ran on different server connections');
+			assert.equal((await row(key)).status, 'succeeded');
+			const again = await send(app.url, '/slow', { key });
+			assert.equal(again.headers['idempotent-replayed'], 'true');
+			assert.deepEqual(again.bytes, done.bytes);
+
+			const tx = newKey('pgb-tx');
+			assert.equal((await send(app.url, '/tx', { key: tx, body: '{"note":"p"}' })).status, 201);
+			assert.equal((await row(tx)).status, 'succeeded');
+			assert.equal((await send(app.url, '/tx', { key: tx, body: '{"note":"p"}' })).headers['idempotent-replayed'], 'true');
+		} finally {
+			await app.close();
+		}
+	});
+});

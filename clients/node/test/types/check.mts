@@ -1,0 +1,53 @@
+// Compiled (not run) by test.sh: the ESM types of the installed package.
+import {
+	idempotent, expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext,
+	InProgressError, KeyLostError, type IdempotencyContext,
+} from 'pg-idempotency';
+import express from 'express';
+import Fastify from 'fastify';
+import pg from 'pg';
+
+const pool = new pg.Pool();
+
+const r = await idempotent(pool, { key: 'msg-1', request: { amount: 1 }, lease: 10 },
+	async ({ token, attempt, signal }) => {
+		signal.throwIfAborted();
+		return { charged: true, token, attempt };
+	});
+if (r.replayed) {
+	const charged: boolean = r.value.charged;
+	const none: null = r.attempt;
+	void charged; void none;
+} else {
+	const attempt: number = r.attempt;
+	const token: string = r.token;
+	void attempt; void token;
+}
+
+const app = express();
+app.use(express.json({ verify: rawBody }));
+const idem = expressIdempotency({ pool, scope: (req) => String(req.headers['x-tenant'] ?? ''), cache: { max: 100 } });
+app.post('/payments', idem, (req, res) => {
+	const ctx: IdempotencyContext | undefined = req.idempotency;
+	res.status(201).json({ key: ctx?.key, attempt: ctx?.attempt });
+});
+app.post('/orders', idem.transactional, async (req, res) => {
+	const ctx = idempotencyContext(req)!;
+	await ctx.client!.query('SELECT 1');
+	res.status(201).json({ ok: true });
+});
+
+const f = Fastify();
+await f.register(fastifyIdempotency, { pool, storePolicy: (s) => (s >= 500 ? 'release' : 'succeeded') });
+f.post('/x', async (request) => ({ key: idempotencyContext(request as any)?.key }));
+
+try {
+	await idempotent(pool, { key: 'k' }, () => 1);
+} catch (err) {
+	if (err instanceof InProgressError) {
+		const s: number = err.retryAfter;
+		void s;
+	}
+	if (err instanceof KeyLostError)
+		console.log(err.key);
+}
