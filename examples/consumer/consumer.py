@@ -1,35 +1,41 @@
 #!/usr/bin/env python3
-"""consumer.py: a queue consumer that books each message exactly once.
+"""consumer.py: a queue consumer that books each message exactly once, with the
+pg_idempotency package (clients/python).
 
 The queue (table `queue`, see schema.sql) delivers at least once: a message
 can arrive twice because the producer published it twice, because a consumer
 died before acknowledging it, or because its visibility timeout ran out.  The
-consumer uses the message id as the idempotency key (scope 'ledger') and maps
-the claim outcomes like this:
+consumer runs each message in `idempotent(db, message_id, request=payload,
+scope='ledger')` and maps what it answers like this:
 
-    claimed      book it, finish, acknowledge
-    replay       already settled (succeeded or failed): acknowledge, do nothing
-    in_progress  another consumer holds it: leave it, visible again after
-                 retry_after seconds (redelivery)
-    mismatch     same id, different payload (a producer bug): dead-letter, ack
+    the block runs       book it (the result is stored), acknowledge
+    job.replayed, or     already settled (succeeded or failed):
+    StoredFailureError   acknowledge, do nothing
+    InProgressError      another consumer holds it: leave it, visible again
+                         after retry_after seconds (redelivery)
+    MismatchError        same id, different payload (a producer bug):
+                         dead-letter, acknowledge
 
 Failures while booking:
 
-    terminal     (invalid message) stored with status 'failed' and acknowledged;
-                 every later copy replays the failure
-    retryable    (a dependency is down) the claim is released and the message
-                 left for redelivery; the next delivery is a fresh first attempt
+    terminal     (invalid message) job.fail(): stored with status 'failed' and
+                 acknowledged; every later copy replays the failure
+    retryable    (a dependency is down) raised out of the block, which releases
+                 the claim; the message is left for redelivery and the next
+                 delivery is a fresh first attempt
 
 Two modes (--mode):
 
-    tx     BEGIN; idem_claim; INSERT INTO ledger; idem_finish; COMMIT.
-           A crash rolls the claim back with the booking: the next delivery
-           starts over.  A retryable failure is a ROLLBACK, which leaves no
-           trace of the claim (the same as idem_release).
-    lease  idem_claim commits on its own with a lease, then the booking and
-           idem_finish commit together.  A crash leaves a pending key; after
-           its lease the next delivery takes it over (attempt + 1).  This is
-           the shape to use when the work is long or leaves the database.
+    tx     `with db.transaction():` around the block: claim, booking and
+           finish commit together.  A crash rolls the claim back with the
+           booking: the next delivery starts over.  A retryable failure is a
+           ROLLBACK, which leaves no trace of the claim.
+    lease  the claim commits on its own with a lease (a heartbeat renews it
+           while the work runs), then the booking and the finish commit
+           together (job.finish(entry, conn=db) in one transaction).  A crash
+           leaves a pending key; one lease after its last heartbeat the next
+           delivery takes it over (attempt + 1).  This is the shape to use
+           when the work is long or leaves the database.
 
 In both modes the ledger row commits in the same transaction as the one
 idem_finish that succeeds for the key, so each message is booked exactly once
@@ -43,9 +49,12 @@ delivery, which answers `replay` and is acknowledged.
 
 Usage: PGDATABASE=... ./consumer.py --name A [--mode tx|lease] [--once]
        [--exit-when-empty] [--visibility 30] [--lease '30 seconds'] [--exit-with-parent]
+
+Needs clients/python/src on PYTHONPATH, or the pg-idempotency wheel installed.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -53,13 +62,11 @@ import sys
 import time
 
 import psycopg
-from psycopg.types.json import Jsonb
+
+from pg_idempotency import (InProgressError, KeyLostError, MismatchError, StoredFailureError,
+                            idempotent)
 
 SCOPE = 'ledger'
-
-# SQLSTATEs meaning "this attempt no longer owns the key": a dead token
-# (taken over or reset), finished by another token, or gone.
-LOST_CLAIM = {'55006', '55000', 'P0002'}
 
 
 class TerminalError(Exception):
@@ -74,7 +81,7 @@ class Delivery:
     def __init__(self, delivery_id, message_id, payload_text, receive_count):
         self.delivery_id = delivery_id
         self.message_id = message_id
-        self.payload_text = payload_text     # the jsonb text: the fingerprint's input
+        self.payload_text = payload_text     # the jsonb text, as published
         self.payload = json.loads(payload_text)
         self.receive_count = receive_count
 
@@ -84,7 +91,6 @@ class Consumer:
         self.name = name
         self.mode = mode
         self.visibility = visibility
-        self.lease = lease
         self.retry_delay = retry_delay
         self.stopping = False
         self.parent = None              # set by --exit-with-parent
@@ -92,6 +98,9 @@ class Consumer:
         # does the idempotent work.  Both autocommit: every transaction is explicit.
         self.queue = psycopg.connect(autocommit=True)
         self.db = psycopg.connect(autocommit=True)
+        # the lease as PostgreSQL reads it ('30 seconds', '1 min', '2')
+        self.lease = self.db.execute(
+            "SELECT extract(epoch FROM %s::interval)::float8", (lease,)).fetchone()[0]
 
     def sleep(self, seconds):
         """time.sleep, but exit at once if our parent is gone (--exit-with-parent)."""
@@ -181,107 +190,55 @@ class Consumer:
             (d.message_id, d.payload['account'], d.payload['amount'], self.name)).fetchone()[0]
         return {'entry_id': entry_id}
 
-    # ---- the extension ----------------------------------------------------
-
-    def claim(self, d):
-        return self.db.execute(
-            """SELECT outcome, token, attempt, status, retry_after
-                 FROM idempotency.idem_claim(key => %s, request => %s::jsonb,
-                                             scope => %s, lease => %s::interval)""",
-            (d.message_id, d.payload_text, SCOPE, self.lease)).fetchone()
-
-    def finish(self, d, token, status, body):
-        self.db.execute(
-            """SELECT idempotency.idem_finish(key => %s, token => %s, response_body => %s,
-                                              scope => %s, status => %s)""",
-            (d.message_id, token, Jsonb(body), SCOPE, status))
-
-    def release(self, d, token):
-        self.db.execute('SELECT idempotency.idem_release(key => %s, token => %s, scope => %s)',
-                        (d.message_id, token, SCOPE))
-
     # ---- one delivery -----------------------------------------------------
 
-    def answer_outcome(self, d, outcome, retry_after):
-        """Handle every outcome but 'claimed'."""
-        if outcome == 'replay':
-            self.ack(d)
-        elif outcome == 'in_progress':
-            self.redeliver_after(d, retry_after)
-        elif outcome == 'mismatch':
-            self.dead_letter(d, 'message id reused with a different payload')
-            self.ack(d)
-        else:
-            raise RuntimeError(f'unexpected claim outcome {outcome}')
-        self.log(d, outcome)
-
-    def handle_tx(self, d):
-        """BEGIN; claim; book; finish; COMMIT: all or nothing."""
+    def work(self, d, job):
+        """The claimed block: 'succeeded' or 'failed'; RetryableError escapes."""
+        starts = self.start_work(d, job.attempt, job.token)
         try:
-            with self.db.transaction():
-                outcome, token, attempt, _, retry_after = self.claim(d)
-                if outcome != 'claimed':
-                    raise psycopg.Rollback()
-                starts = self.start_work(d, attempt, token)
-                try:
-                    self.check(d, starts)
-                    status, body = 'succeeded', self.book(d)
-                except TerminalError as e:
-                    status, body = 'failed', {'error': str(e)}
-                self.finish(d, token, status, body)
+            self.check(d, starts)
+        except TerminalError as e:
+            job.fail(e)                 # stored at the end of the block, replayed to every copy
+            return 'failed'
+        # the booking commits if and only if the finish does (in tx mode this
+        # is a savepoint of the one transaction)
+        with self.db.transaction():
+            job.finish(self.book(d), conn=self.db)
+        return 'succeeded'
+
+    def handle(self, d):
+        # tx mode: the claim, the booking and the stored result commit together
+        tx = self.db.transaction() if self.mode == 'tx' else contextlib.nullcontext()
+        try:
+            with tx:
+                with idempotent(self.db, d.message_id, request=d.payload, scope=SCOPE,
+                                lease=self.lease) as job:
+                    event = 'replay' if job.replayed else self.work(d, job)
+        except StoredFailureError:
+            event = 'replay'            # settled as failed earlier
+        except InProgressError as e:
+            self.redeliver_after(d, e.retry_after)
+            self.log(d, 'in_progress')
+            return
+        except MismatchError:
+            self.dead_letter(d, 'message id reused with a different payload')
+            event = 'mismatch'
         except RetryableError as e:
-            # the rollback took the claim with it: no trace, fresh attempt next time
-            self.say(f'{d.message_id}: {e}; rolled back for redelivery')
+            # released: the next delivery is a fresh first attempt
+            self.say(f'{d.message_id}: {e}; released for redelivery')
             self.redeliver_after(d, self.retry_delay)
             self.log(d, 'released')
             return
-        if outcome != 'claimed':
-            self.answer_outcome(d, outcome, retry_after)
-            return
-        self.ack(d)
-        self.log(d, status)
-
-    def handle_lease(self, d):
-        """claim (commits, with a lease); then book + finish in one transaction."""
-        outcome, token, attempt, _, retry_after = self.claim(d)
-        if outcome != 'claimed':
-            self.answer_outcome(d, outcome, retry_after)
-            return
-        starts = self.start_work(d, attempt, token)
-        try:
-            event = self.work_under_lease(d, token, starts)
-        except psycopg.Error as e:
-            if e.sqlstate not in LOST_CLAIM:
-                raise
+        except KeyLostError as e:
             # Too slow: another consumer took the key over.  Our booking rolled
             # back with the failed finish; the message stays for redelivery.
             self.say(f'{d.message_id}: lost the claim ({e.sqlstate})')
             self.log(d, 'lost')
             return
-        if event == 'released':
-            self.redeliver_after(d, self.retry_delay)
-        else:
-            self.ack(d)
+        self.ack(d)
         self.log(d, event)
 
-    def work_under_lease(self, d, token, starts):
-        try:
-            self.check(d, starts)
-        except RetryableError as e:
-            self.say(f'{d.message_id}: {e}; released for redelivery')
-            self.release(d, token)      # the next claim is a fresh first attempt
-            return 'released'
-        except TerminalError as e:
-            self.finish(d, token, 'failed', {'error': str(e)})
-            return 'failed'
-        # the booking commits if and only if the finish does
-        with self.db.transaction():
-            body = self.book(d)
-            self.finish(d, token, 'succeeded', body)
-        return 'succeeded'
-
     def run(self, once=False, exit_when_empty=False):
-        handle = self.handle_tx if self.mode == 'tx' else self.handle_lease
         while not self.stopping:
             d = self.receive()
             if d is None:
@@ -290,7 +247,7 @@ class Consumer:
                 self.sleep(0.05)
                 continue
             try:
-                handle(d)
+                self.handle(d)
             except psycopg.OperationalError:
                 raise                   # the connection is gone: exit, restart us
             except Exception as e:      # a bug: leave the message for redelivery

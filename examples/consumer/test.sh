@@ -4,11 +4,17 @@
 #   PGHOST=/tmp/sock PGPORT=5432 PGUSER=postgres PGDATABASE=postgres ./test.sh
 #
 # Needs a superuser connection to a server where the idempotency extension is
-# installed, and a python3 with psycopg 3 (Debian: apt-get install
-# python3-psycopg).  Creates a fresh database idem_example_consumer and runs
-# the unittest suite, which starts consumer processes of its own.
+# installed, and a python3 with psycopg 3 and psycopg-pool (Debian: apt-get
+# install python3-psycopg python3-psycopg-pool).  The consumer uses the
+# pg_idempotency package from ../../clients/python/src.  Creates a fresh
+# database idem_example_consumer and runs the unittest suite, which starts
+# consumer processes of its own.
 set -eu
 cd "$(dirname "$0")"
+PYTHONPATH=$(cd ../../clients/python/src && pwd)${PYTHONPATH:+:$PYTHONPATH}
+# no __pycache__ in the source tree
+PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH PYTHONDONTWRITEBYTECODE
 
 DB=${EXAMPLE_DB:-idem_example_consumer}
 ADMIN_DB=${PGDATABASE:-postgres}
@@ -16,13 +22,14 @@ ADMIN_DB=${PGDATABASE:-postgres}
 PYTHON=
 for candidate in ${PYTHON3:-} python3 /usr/bin/python3; do
 	if command -v "$candidate" >/dev/null 2>&1 &&
-	   "$candidate" -c 'import psycopg' >/dev/null 2>&1; then
+	   "$candidate" -c 'import psycopg, psycopg_pool' >/dev/null 2>&1; then
 		PYTHON=$candidate
 		break
 	fi
 done
 if [ -z "$PYTHON" ]; then
-	echo "test.sh: no python3 with psycopg 3 found (apt-get install python3-psycopg)" >&2
+	echo "test.sh: no python3 with psycopg 3 and psycopg-pool found" \
+		"(apt-get install python3-psycopg python3-psycopg-pool)" >&2
 	exit 1
 fi
 

@@ -38,6 +38,11 @@ def connect():
     return psycopg.connect(autocommit=True)
 
 
+def failure(message):
+    """A stored failure as pg_idempotency writes it (the Node library too)."""
+    return {'v': 1, 'error': {'name': 'TerminalError', 'message': message}}
+
+
 class Proc:
     """A consumer process; its output lines are collected by a thread."""
 
@@ -196,10 +201,10 @@ class BothModes:
                                  'booked exactly once (never for a terminal failure)')
                 self.assertEqual(status, 'failed' if terminal else 'succeeded')
                 if terminal:
-                    self.assertEqual(body, {'error': '"amount" must be a positive integer'})
+                    self.assertEqual(body, failure('"amount" must be a positive integer'))
                 else:
-                    self.assertEqual(body['entry_id'], self.scalar(
-                        'SELECT entry_id FROM ledger WHERE message_id = %s', message_id))
+                    self.assertEqual(body, {'v': 1, 'json': {'entry_id': self.scalar(
+                        'SELECT entry_id FROM ledger WHERE message_id = %s', message_id)}})
                 # one copy was settled by its own finish, the other copy acked on replay
                 settled = self.events(message_id, 'succeeded') + self.events(message_id, 'failed')
                 self.assertEqual(settled, 1, self.events(message_id))
@@ -271,7 +276,7 @@ class BothModes:
         self.drain(self.mode)
         status, attempt, body = self.lookup(message_id)
         self.assertEqual((status, attempt), ('failed', 1))
-        self.assertEqual(body, {'error': '"account" must be a non-empty string'})
+        self.assertEqual(body, failure('"account" must be a non-empty string'))
         self.assertEqual(self.events(message_id),
                          ['received', 'failed', 'received', 'replay'])
         self.assertEqual(self.ledger_count(message_id), 0)

@@ -1,0 +1,27 @@
+"""Idempotency keys for Python on the ``idempotency`` PostgreSQL extension.
+
+* ``idempotent(db, key, ...)``: a block that runs at most once per key, for
+  jobs and queue consumers (``with`` on a sync connection or pool, ``async
+  with`` on an async one); ``idempotent_job(...)``, its decorator form.
+* ``IdempotencyMiddleware``: the ``Idempotency-Key`` HTTP header for any ASGI
+  app (Starlette, FastAPI).
+"""
+
+from ._core import (Duration, IdempotencyError, InProgressError, KeyLostError, MismatchError,
+                    StoredFailureError)
+from .asgi import (IdempotencyMiddleware, IdempotencyRequest, StoreDecision, StorePolicy,
+                   default_store_policy)
+from .cache import CachedResult, ResultCache
+from .header import KeyHeader, parse_idempotency_key
+from .jobs import (AsyncIdempotent, AsyncJob, Idempotent, Job, Retryable, current_job,
+                   idempotent, idempotent_job)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncIdempotent", "AsyncJob", "CachedResult", "Duration", "IdempotencyError",
+    "IdempotencyMiddleware", "IdempotencyRequest", "Idempotent", "InProgressError", "Job",
+    "KeyHeader", "KeyLostError", "MismatchError", "ResultCache", "Retryable", "StoreDecision",
+    "StorePolicy", "StoredFailureError", "current_job", "default_store_policy", "idempotent",
+    "idempotent_job", "parse_idempotency_key",
+]

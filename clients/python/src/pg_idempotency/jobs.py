@@ -1,0 +1,721 @@
+"""Idempotent jobs and queue consumers: ``idempotent()`` and ``idempotent_job()``.
+
+::
+
+    with idempotent(pool, msg.id, request=msg.payload, scope="ledger") as job:
+        if not job.replayed:
+            job.set_result(book(msg))
+    ack(msg)
+
+The claim runs on ``__enter__``. ``claimed``: the block runs while a heartbeat
+extends the lease every lease/3; a clean exit stores the result; an exception
+releases the key (the next delivery runs again) when ``retryable(exc)`` says so
+(by default for every exception), else stores it as failed; either way it
+propagates. ``replay`` of a success: the block runs with ``job.replayed`` true
+and ``job.value`` the stored value. ``replay`` of a failure raises
+``StoredFailureError``, ``in_progress`` ``InProgressError``, ``mismatch``
+``MismatchError``, all before the block runs.
+
+Two modes, chosen by the connection handed in:
+
+* a pool, or a connection outside a transaction: every call commits on its
+  own (claim, work, finish), the shape for work outside the database;
+* a connection inside a transaction (``with conn.transaction():``): claim, the
+  block and the finish join that transaction and commit or roll back with it.
+  The block runs in a savepoint so that an exception undoes the block's writes
+  but still releases or stores the failure in the transaction. No heartbeat:
+  an uncommitted claim is invisible to other sessions anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import inspect
+import logging
+import threading
+from types import TracebackType
+from typing import (Any, Awaitable, Callable, Optional, Tuple, Type, TypeVar, Union,
+                    cast, overload)
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from ._core import (CLAIM_SQL, EXTEND_SQL, FINISH_SQL, RELEASE_SQL, ClaimRow, Duration,
+                    InProgressError, KeyLostError, MismatchError, StoredFailureError,
+                    envelope_error, envelope_value, error_envelope, is_lost, to_seconds,
+                    to_timedelta, value_envelope)
+
+__all__ = ["Job", "AsyncJob", "Idempotent", "AsyncIdempotent", "idempotent",
+           "idempotent_job", "current_job", "Retryable"]
+
+log = logging.getLogger("pg_idempotency")
+
+SyncDB = Union["psycopg.Connection[Any]", ConnectionPool]
+AsyncDB = Union["psycopg.AsyncConnection[Any]", AsyncConnectionPool]
+
+#: Which exceptions release the key (retry runs again) instead of storing a
+#: failure: a predicate, or a tuple of exception classes.
+Retryable = Union[Callable[[BaseException], bool], Tuple[Type[BaseException], ...]]
+
+DEFAULT_LEASE: Duration = 30.0
+
+_current: contextvars.ContextVar[Optional["_JobBase"]] = contextvars.ContextVar(
+    "pg_idempotency_job", default=None)
+
+
+def current_job() -> Optional["_JobBase"]:
+    """The job whose block (or decorated function) is running in this context."""
+    return _current.get()
+
+
+def _retryable_predicate(retryable: Optional[Retryable]) -> Callable[[BaseException], bool]:
+    if retryable is None:
+        return lambda exc: True
+    if isinstance(retryable, tuple):
+        classes = retryable
+        return lambda exc: isinstance(exc, classes)
+    return retryable
+
+
+def _claim_params(key: str, request: Any, scope: str, lease: Duration,
+                  retention: Optional[Duration], wait: Duration) -> dict[str, Any]:
+    return {"key": key, "request": None if request is None else Jsonb(request),
+            "scope": scope, "lease": to_timedelta(lease), "retention": to_timedelta(retention),
+            "wait": to_timedelta(wait)}
+
+
+class _JobBase:
+    """What the block sees: the claim's outcome and the result to store."""
+
+    key: str
+    scope: str
+    #: True: the key was settled earlier; ``value`` is the stored value and the
+    #: work must not run again.
+    replayed: bool
+    #: The stored value (replay) or the value set with ``set_result``.
+    value: Any
+    #: 1 for the key's first attempt; more means an earlier attempt may have run partly.
+    attempt: Optional[int]
+    #: The fencing token of this attempt (pass it downstream); None on replay.
+    token: Optional[int]
+
+    def __init__(self, *, key: str, scope: str, replayed: bool, value: Any,
+                 attempt: Optional[int], token: Optional[int]) -> None:
+        self.key = key
+        self.scope = scope
+        self.replayed = replayed
+        self.value = value
+        self.attempt = attempt
+        self.token = token
+        self._failure: Optional[BaseException] = None
+        self._finished = False
+        self._lost_state: Optional[str] = None      # SQLSTATE that told us
+
+    def set_result(self, value: Any) -> None:
+        """Store ``value`` (any JSON value) when the block exits cleanly."""
+        self._check_owner("set_result")
+        self.value = value
+        self._failure = None
+
+    def fail(self, error: BaseException) -> None:
+        """Store ``error`` as this key's failure when the block exits cleanly,
+        without raising it (every later attempt gets ``StoredFailureError``)."""
+        self._check_owner("fail")
+        self._failure = error
+
+    @property
+    def lost(self) -> bool:
+        """True once the heartbeat learned that another attempt owns the key:
+        stop working, nothing will be stored."""
+        return self._lost_state is not None
+
+    def raise_if_lost(self) -> None:
+        if self._lost_state is not None:
+            raise KeyLostError(key=self.key, scope=self.scope, sqlstate=self._lost_state)
+
+    def _check_owner(self, what: str) -> None:
+        if self.replayed:
+            raise RuntimeError(f"{what}() on a replayed key: the result is already stored")
+        if self._finished:
+            raise RuntimeError(f"{what}() after finish(): the result is already stored")
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} key={self.key!r} scope={self.scope!r} "
+                f"replayed={self.replayed} attempt={self.attempt} token={self.token}>")
+
+
+class Job(_JobBase):
+    """The sync block's view of its key."""
+
+    def __init__(self, owner: "Idempotent", **kw: Any) -> None:
+        super().__init__(**kw)
+        self._owner = owner
+
+    def finish(self, value: Any = None, *, conn: Optional["psycopg.Connection[Any]"] = None
+               ) -> None:
+        """Store ``value`` now rather than at the end of the block.
+
+        Pass ``conn`` inside your own transaction to commit your writes and
+        the stored result together: if the claim was lost this raises
+        ``KeyLostError``, and your transaction rolls back with it.
+        """
+        self._check_owner("finish")
+        self.value = value
+        self._owner._stop_heartbeat(join=False)
+        self._owner._store(value_envelope(value), "succeeded", conn=conn)
+        self._finished = True
+
+
+class AsyncJob(_JobBase):
+    """The async block's view of its key."""
+
+    def __init__(self, owner: "AsyncIdempotent", **kw: Any) -> None:
+        super().__init__(**kw)
+        self._owner = owner
+
+    async def finish(self, value: Any = None, *,
+                     conn: Optional["psycopg.AsyncConnection[Any]"] = None) -> None:
+        """Store ``value`` now; see ``Job.finish``."""
+        self._check_owner("finish")
+        self.value = value
+        self._owner._stop_heartbeat()
+        await self._owner._store(value_envelope(value), "succeeded", conn=conn)
+        self._finished = True
+
+
+def _claim_outcome(row: ClaimRow, key: str, scope: str) -> None:
+    """Raise for the outcomes that never run the block."""
+    if row.outcome == "in_progress":
+        raise InProgressError(key=key, scope=scope, retry_after=int(row.retry_after or 1))
+    if row.outcome == "mismatch":
+        raise MismatchError(key=key, scope=scope)
+    if row.outcome == "replay" and row.status == "failed":
+        name, message = envelope_error(row.response_body)
+        raise StoredFailureError(key=key, scope=scope, name=name, message=message,
+                                 body=row.response_body, response_code=row.response_code)
+    if row.outcome not in ("claimed", "replay"):
+        raise RuntimeError(f"unexpected claim outcome {row.outcome!r}")
+
+
+# ---- sync -----------------------------------------------------------------------
+
+
+class _SyncRunner:
+    """Runs one statement on a pool or on the caller's connection."""
+
+    def __init__(self, db: SyncDB) -> None:
+        self.db = db
+        self._beat_conn: Optional[psycopg.Connection[Any]] = None
+
+    def in_transaction(self) -> bool:
+        return (isinstance(self.db, psycopg.Connection)
+                and self.db.info.transaction_status != TransactionStatus.IDLE)
+
+    def one(self, sql: str, params: dict[str, Any],
+            conn: Optional["psycopg.Connection[Any]"] = None) -> Tuple[Any, ...]:
+        if conn is not None:
+            return _exec(conn, sql, params)
+        if isinstance(self.db, ConnectionPool):
+            with self.db.connection() as c:
+                return _exec(c, sql, params)
+        c = self.db
+        if c.autocommit or c.info.transaction_status != TransactionStatus.IDLE:
+            return _exec(c, sql, params)
+        with c.transaction():
+            return _exec(c, sql, params)
+
+    def beat(self, sql: str, params: dict[str, Any]) -> None:
+        """The heartbeat's statement: on the pool, or on a connection of its own,
+        so that it never lands in a transaction the block has open on the
+        caller's connection."""
+        if isinstance(self.db, ConnectionPool):
+            self.one(sql, params)
+            return
+        if self._beat_conn is None:
+            info = self.db.info
+            kwargs: dict[str, Any] = {"autocommit": True}
+            if info.password:
+                kwargs["password"] = info.password
+            self._beat_conn = psycopg.Connection.connect(info.dsn, **kwargs)
+        _exec(self._beat_conn, sql, params)
+
+    def close(self) -> None:
+        if self._beat_conn is not None:
+            self._beat_conn.close()
+            self._beat_conn = None
+
+
+def _exec(conn: "psycopg.Connection[Any]", sql: str, params: dict[str, Any]) -> Tuple[Any, ...]:
+    cur = conn.cursor(row_factory=tuple_row)
+    try:
+        cur.execute(sql, params, prepare=False)
+        row = cur.fetchone()
+    finally:
+        cur.close()
+    assert row is not None
+    return row
+
+
+class _SyncHeartbeat:
+    def __init__(self, beat: Callable[[], None], interval: float,
+                 on_lost: Callable[[str], None]) -> None:
+        self._beat = beat
+        self._interval = interval
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pg-idempotency-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._beat()
+            except psycopg.Error as e:
+                if is_lost(e):
+                    self._on_lost(e.sqlstate or "")
+                    return
+                # a transient failure (connection, 55P03): the next beat tries again
+                log.warning("idempotency heartbeat failed: %s", e)
+            except Exception:     # keep beating whatever the cause
+                log.exception("idempotency heartbeat failed")
+
+    def stop(self, join: bool = True) -> None:
+        self._stop.set()
+        if join and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class Idempotent:
+    """Sync context manager returned by ``idempotent()`` for a psycopg
+    ``Connection`` or ``ConnectionPool``."""
+
+    def __init__(self, db: SyncDB, key: str, *, request: Any = None, scope: str = "",
+                 lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
+                 wait: Duration = 0, retryable: Optional[Retryable] = None) -> None:
+        self._runner = _SyncRunner(db)
+        self.key = key
+        self.scope = scope
+        self._request = request
+        self._lease = lease
+        self._retention = retention
+        self._wait = wait
+        self._retryable = _retryable_predicate(retryable)
+        self._job: Optional[Job] = None
+        self._heartbeat: Optional[_SyncHeartbeat] = None
+        self._savepoint: Optional[contextlib.ExitStack] = None
+        self._ctx_token: Optional[contextvars.Token[Optional[_JobBase]]] = None
+
+    def __enter__(self) -> Job:
+        tx_mode = self._runner.in_transaction()
+        row = ClaimRow(*self._runner.one(CLAIM_SQL, _claim_params(
+            self.key, self._request, self.scope, self._lease, self._retention, self._wait)))
+        _claim_outcome(row, self.key, self.scope)
+        replayed = row.outcome == "replay"
+        job = Job(self, key=self.key, scope=self.scope, replayed=replayed,
+                  value=envelope_value(row.response_body) if replayed else None,
+                  attempt=row.attempt, token=row.token)
+        self._job = job
+        if not replayed:
+            if tx_mode:
+                assert isinstance(self._runner.db, psycopg.Connection)
+                self._savepoint = contextlib.ExitStack()
+                self._savepoint.enter_context(self._runner.db.transaction())
+            else:
+                self._heartbeat = _SyncHeartbeat(self._beat, to_seconds(self._lease) / 3,
+                                                 self._mark_lost)
+        self._ctx_token = _current.set(job)
+        return job
+
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        job = self._job
+        assert job is not None
+        if self._ctx_token is not None:
+            _current.reset(self._ctx_token)
+        if job.replayed:
+            return
+        try:
+            self._stop_heartbeat(join=True)
+            if self._savepoint is not None:
+                # an exception rolls the block's writes back to the savepoint
+                self._savepoint.__exit__(exc_type, exc, tb)
+            if exc is None:
+                self._settle_clean(job)
+            else:
+                self._settle_error(job, exc)
+        finally:
+            self._runner.close()
+
+    def _settle_clean(self, job: Job) -> None:
+        if job._finished:
+            return
+        if job._lost_state is not None:
+            raise KeyLostError(key=self.key, scope=self.scope, sqlstate=job._lost_state)
+        if job._failure is not None:
+            self._store(error_envelope(job._failure), "failed")
+        else:
+            self._store(value_envelope(job.value), "succeeded")
+        job._finished = True
+
+    def _settle_error(self, job: Job, exc: BaseException) -> None:
+        # An explicit finish may have rolled back with the caller's transaction:
+        # settle anyway; if it did commit, the key answers "finished" (lost).
+        if job._lost_state is not None:
+            return
+        retry = not isinstance(exc, Exception) or self._retryable(exc)
+        try:
+            if retry:
+                self._runner.one(RELEASE_SQL, {"key": self.key, "token": job.token,
+                                               "scope": self.scope})
+            else:
+                self._store(error_envelope(exc), "failed")
+        except KeyLostError:
+            pass
+        except psycopg.Error as e:
+            if not is_lost(e):
+                log.warning("could not %s key %r after %r: %s",
+                            "release" if retry else "store the failure of", self.key, exc, e)
+
+    def _store(self, envelope: Any, status: str,
+               conn: Optional["psycopg.Connection[Any]"] = None) -> None:
+        job = self._job
+        assert job is not None
+        try:
+            self._runner.one(FINISH_SQL, {
+                "key": self.key, "token": job.token, "code": None, "body": Jsonb(envelope),
+                "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
+                conn=conn)
+        except psycopg.Error as e:
+            if is_lost(e):
+                raise KeyLostError(key=self.key, scope=self.scope, sqlstate=e.sqlstate) from e
+            raise
+
+    def _beat(self) -> None:
+        job = self._job
+        assert job is not None
+        self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
+                                       "lease": to_timedelta(self._lease), "scope": self.scope})
+
+    def _mark_lost(self, sqlstate: str) -> None:
+        job = self._job
+        if job is not None and not job._finished:
+            log.warning("lost the claim on key %r (scope %r): SQLSTATE %s",
+                        self.key, self.scope, sqlstate)
+            job._lost_state = sqlstate
+
+    def _stop_heartbeat(self, join: bool) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop(join=join)
+            if join:
+                self._heartbeat = None
+
+
+# ---- async ----------------------------------------------------------------------
+
+
+class _AsyncRunner:
+    def __init__(self, db: AsyncDB) -> None:
+        self.db = db
+        self._beat_conn: Optional[psycopg.AsyncConnection[Any]] = None
+
+    def in_transaction(self) -> bool:
+        return (isinstance(self.db, psycopg.AsyncConnection)
+                and self.db.info.transaction_status != TransactionStatus.IDLE)
+
+    async def one(self, sql: str, params: dict[str, Any],
+                  conn: Optional["psycopg.AsyncConnection[Any]"] = None) -> Tuple[Any, ...]:
+        if conn is not None:
+            return await _aexec(conn, sql, params)
+        if isinstance(self.db, AsyncConnectionPool):
+            async with self.db.connection() as c:
+                return await _aexec(c, sql, params)
+        c = self.db
+        if c.autocommit or c.info.transaction_status != TransactionStatus.IDLE:
+            return await _aexec(c, sql, params)
+        async with c.transaction():
+            return await _aexec(c, sql, params)
+
+    async def beat(self, sql: str, params: dict[str, Any]) -> None:
+        if isinstance(self.db, AsyncConnectionPool):
+            await self.one(sql, params)
+            return
+        if self._beat_conn is None:
+            info = self.db.info
+            kwargs: dict[str, Any] = {"autocommit": True}
+            if info.password:
+                kwargs["password"] = info.password
+            self._beat_conn = await psycopg.AsyncConnection.connect(info.dsn, **kwargs)
+        await _aexec(self._beat_conn, sql, params)
+
+    async def close(self) -> None:
+        if self._beat_conn is not None:
+            await self._beat_conn.close()
+            self._beat_conn = None
+
+
+async def _aexec(conn: "psycopg.AsyncConnection[Any]", sql: str,
+                 params: dict[str, Any]) -> Tuple[Any, ...]:
+    cur = conn.cursor(row_factory=tuple_row)
+    try:
+        await cur.execute(sql, params, prepare=False)
+        row = await cur.fetchone()
+    finally:
+        await cur.close()
+    assert row is not None
+    return row
+
+
+class _AsyncHeartbeat:
+    def __init__(self, beat: Callable[[], Awaitable[None]], interval: float,
+                 on_lost: Callable[[str], None]) -> None:
+        self._beat = beat
+        self._interval = interval
+        self._on_lost = on_lost
+        self._stop = asyncio.Event()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), self._interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await self._beat()
+            except psycopg.Error as e:
+                if is_lost(e):
+                    self._on_lost(e.sqlstate or "")
+                    return
+                log.warning("idempotency heartbeat failed: %s", e)
+            except Exception:
+                log.exception("idempotency heartbeat failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def wait(self) -> None:
+        self._stop.set()
+        await self._task
+
+
+class AsyncIdempotent:
+    """Async context manager returned by ``idempotent()`` for a psycopg
+    ``AsyncConnection`` or ``AsyncConnectionPool``."""
+
+    def __init__(self, db: AsyncDB, key: str, *, request: Any = None, scope: str = "",
+                 lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
+                 wait: Duration = 0, retryable: Optional[Retryable] = None) -> None:
+        self._runner = _AsyncRunner(db)
+        self.key = key
+        self.scope = scope
+        self._request = request
+        self._lease = lease
+        self._retention = retention
+        self._wait = wait
+        self._retryable = _retryable_predicate(retryable)
+        self._job: Optional[AsyncJob] = None
+        self._heartbeat: Optional[_AsyncHeartbeat] = None
+        self._savepoint: Optional[contextlib.AsyncExitStack] = None
+        self._ctx_token: Optional[contextvars.Token[Optional[_JobBase]]] = None
+
+    async def __aenter__(self) -> AsyncJob:
+        tx_mode = self._runner.in_transaction()
+        row = ClaimRow(*await self._runner.one(CLAIM_SQL, _claim_params(
+            self.key, self._request, self.scope, self._lease, self._retention, self._wait)))
+        _claim_outcome(row, self.key, self.scope)
+        replayed = row.outcome == "replay"
+        job = AsyncJob(self, key=self.key, scope=self.scope, replayed=replayed,
+                       value=envelope_value(row.response_body) if replayed else None,
+                       attempt=row.attempt, token=row.token)
+        self._job = job
+        if not replayed:
+            if tx_mode:
+                assert isinstance(self._runner.db, psycopg.AsyncConnection)
+                self._savepoint = contextlib.AsyncExitStack()
+                await self._savepoint.enter_async_context(self._runner.db.transaction())
+            else:
+                self._heartbeat = _AsyncHeartbeat(self._beat, to_seconds(self._lease) / 3,
+                                                  self._mark_lost)
+        self._ctx_token = _current.set(job)
+        return job
+
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]],
+                        exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        job = self._job
+        assert job is not None
+        if self._ctx_token is not None:
+            _current.reset(self._ctx_token)
+        if job.replayed:
+            return
+        try:
+            if self._heartbeat is not None:
+                await self._heartbeat.wait()
+                self._heartbeat = None
+            if self._savepoint is not None:
+                await self._savepoint.__aexit__(exc_type, exc, tb)
+            if exc is None:
+                await self._settle_clean(job)
+            else:
+                await self._settle_error(job, exc)
+        finally:
+            await self._runner.close()
+
+    async def _settle_clean(self, job: AsyncJob) -> None:
+        if job._finished:
+            return
+        if job._lost_state is not None:
+            raise KeyLostError(key=self.key, scope=self.scope, sqlstate=job._lost_state)
+        if job._failure is not None:
+            await self._store(error_envelope(job._failure), "failed")
+        else:
+            await self._store(value_envelope(job.value), "succeeded")
+        job._finished = True
+
+    async def _settle_error(self, job: AsyncJob, exc: BaseException) -> None:
+        if job._lost_state is not None:
+            return
+        retry = not isinstance(exc, Exception) or self._retryable(exc)
+        try:
+            if retry:
+                await self._runner.one(RELEASE_SQL, {"key": self.key, "token": job.token,
+                                                     "scope": self.scope})
+            else:
+                await self._store(error_envelope(exc), "failed")
+        except KeyLostError:
+            pass
+        except psycopg.Error as e:
+            if not is_lost(e):
+                log.warning("could not %s key %r after %r: %s",
+                            "release" if retry else "store the failure of", self.key, exc, e)
+
+    async def _store(self, envelope: Any, status: str,
+                     conn: Optional["psycopg.AsyncConnection[Any]"] = None) -> None:
+        job = self._job
+        assert job is not None
+        try:
+            await self._runner.one(FINISH_SQL, {
+                "key": self.key, "token": job.token, "code": None, "body": Jsonb(envelope),
+                "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
+                conn=conn)
+        except psycopg.Error as e:
+            if is_lost(e):
+                raise KeyLostError(key=self.key, scope=self.scope, sqlstate=e.sqlstate) from e
+            raise
+
+    async def _beat(self) -> None:
+        job = self._job
+        assert job is not None
+        await self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
+                                             "lease": to_timedelta(self._lease),
+                                             "scope": self.scope})
+
+    def _mark_lost(self, sqlstate: str) -> None:
+        job = self._job
+        if job is not None and not job._finished:
+            log.warning("lost the claim on key %r (scope %r): SQLSTATE %s",
+                        self.key, self.scope, sqlstate)
+            job._lost_state = sqlstate
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+
+# ---- the two entry points ---------------------------------------------------------
+
+
+@overload
+def idempotent(db: SyncDB, key: str, *, request: Any = ..., scope: str = ...,
+               lease: Duration = ..., retention: Optional[Duration] = ...,
+               wait: Duration = ..., retryable: Optional[Retryable] = ...) -> Idempotent: ...
+
+
+@overload
+def idempotent(db: AsyncDB, key: str, *, request: Any = ..., scope: str = ...,
+               lease: Duration = ..., retention: Optional[Duration] = ...,
+               wait: Duration = ..., retryable: Optional[Retryable] = ...
+               ) -> AsyncIdempotent: ...
+
+
+def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, scope: str = "",
+               lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
+               wait: Duration = 0, retryable: Optional[Retryable] = None
+               ) -> Union[Idempotent, AsyncIdempotent]:
+    """Run a block at most once per ``(scope, key)``: ``with`` for a sync
+    connection or pool, ``async with`` for an async one.
+
+    ``request``: any JSON value fingerprinted with the key (a different payload
+    under the same key raises ``MismatchError``); None: no payload check.
+    ``lease``: how long the claim is protected (the heartbeat renews it every
+    lease/3). ``retention``: how long the result is kept (None: the server's
+    ``idempotency.retention``). ``wait``: how long the claim may wait for an
+    attempt in flight before ``InProgressError``. ``retryable``: which
+    exceptions release the key instead of storing a failure (default: all).
+    """
+    kw: dict[str, Any] = dict(request=request, scope=scope, lease=lease, retention=retention,
+                              wait=wait, retryable=retryable)
+    if isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
+        return AsyncIdempotent(db, key, **kw)
+    if isinstance(db, (psycopg.Connection, ConnectionPool)):
+        return Idempotent(db, key, **kw)
+    raise TypeError(f"idempotent() needs a psycopg connection or pool, not {type(db).__name__}")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
+                   request: Optional[Callable[..., Any]] = None,
+                   scope: Union[str, Callable[..., str]] = "",
+                   lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
+                   wait: Duration = 0, retryable: Optional[Retryable] = None
+                   ) -> Callable[[F], F]:
+    """Decorator form: ``key``, ``request`` and ``scope`` are computed from the
+    call's arguments. The function runs at most once per key; a replay returns
+    the stored value without calling it. Works on plain and ``async`` functions
+    (an async function needs an async connection or pool). Inside, the running
+    attempt is ``current_job()`` (its ``attempt`` and fencing ``token``)."""
+
+    def options(args: Tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        return dict(request=None if request is None else request(*args, **kwargs),
+                    scope=scope(*args, **kwargs) if callable(scope) else scope,
+                    lease=lease, retention=retention, wait=wait, retryable=retryable)
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+            if not isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
+                raise TypeError("an async function needs an AsyncConnection or AsyncConnectionPool")
+            adb = db
+
+            @functools.wraps(fn)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                async with AsyncIdempotent(adb, key(*args, **kwargs),
+                                           **options(args, kwargs)) as job:
+                    if job.replayed:
+                        return job.value
+                    job.set_result(await fn(*args, **kwargs))
+                    return job.value
+            return cast(F, run_async)
+
+        if not isinstance(db, (psycopg.Connection, ConnectionPool)):
+            raise TypeError("a plain function needs a Connection or ConnectionPool")
+        sdb = db
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with Idempotent(sdb, key(*args, **kwargs), **options(args, kwargs)) as job:
+                if job.replayed:
+                    return job.value
+                job.set_result(fn(*args, **kwargs))
+                return job.value
+        return cast(F, run)
+
+    return decorate
