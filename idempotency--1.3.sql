@@ -173,7 +173,7 @@ REVOKE ALL ON FUNCTION idempotency.stats_reset() FROM PUBLIC;
  * This database's keys by status: counted exactly while the table is small
  * (idempotency.stats_exact_limit), estimated from the planner's statistics
  * above, so that polling the view stays cheap at any size; "exact" says
- * which.
+ * which.  It answers only a role that may read the stats view.
  */
 CREATE FUNCTION idempotency.stats_key_counts(
 	OUT pending bigint, OUT succeeded bigint, OUT failed bigint,

@@ -191,10 +191,14 @@ ignore_startup_parameters = extra_float_digits,options,search_path
 pidfile = $conf/pgbouncer.pid
 logfile = $conf/pgbouncer.log
 EOF
+	# trust still needs the user listed; the suites connect as postgres
 	echo '"postgres" ""' >"$conf/users.txt"
 	if [[ $(id -u) -eq 0 ]]; then
 		chown -R "$PG_OS_USER": "$conf"
 	fi
+	# a socket file left by a PgBouncer that was killed would look ready
+	pgbouncer_stop "$dir"
+	rm -f "$dir/socket/.s.PGSQL.$port" "$dir/socket/.s.PGSQL.$port.lock" "$conf/pgbouncer.pid"
 	if ! (cd / && as_postgres pgbouncer -d -q "$conf/pgbouncer.ini"); then
 		echo "cluster.sh: PgBouncer did not start; its log:" >&2
 		cat "$conf/pgbouncer.log" >&2 || true
@@ -202,18 +206,23 @@ EOF
 	fi
 	# It accepts connections once its socket file exists.
 	for ((i = 0; i < 100; i++)); do
-		[[ -S $dir/socket/.s.PGSQL.$port ]] && return 0
+		[[ -S $dir/socket/.s.PGSQL.$port && -s $conf/pgbouncer.pid ]] && return 0
 		sleep 0.1
 	done
 	echo "cluster.sh: PgBouncer did not open $dir/socket/.s.PGSQL.$port" >&2
 	return 1
 }
 
-# Stop the PgBouncer of the cluster in <dir>, if one runs (by its pid file).
+# Stop the PgBouncer of the cluster in <dir>, if one runs (by its pid file,
+# and only if that process is the PgBouncer of this directory: a stale pid
+# file may name a process that reused the number).
 pgbouncer_stop() {
 	local pidfile="$1/pgbouncer/pgbouncer.pid" pid i
 	[[ -f $pidfile ]] || return 0
 	pid=$(cat "$pidfile")
+	[[ $pid =~ ^[0-9]+$ ]] || return 0
+	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$1/pgbouncer/pgbouncer.ini" ||
+		return 0
 	kill "$pid" 2>/dev/null || return 0
 	for ((i = 0; i < 100; i++)); do
 		kill -0 "$pid" 2>/dev/null || return 0

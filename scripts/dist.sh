@@ -27,7 +27,9 @@ trap 'rm -rf "$stage"' EXIT
 
 # The distribution's files, NUL-separated, relative to the root.
 dist_files() {
-	if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+	# only a checkout of this project: a tree copied into another project's
+	# work tree is not one
+	if [[ $(git -C "$root" rev-parse --show-toplevel 2>/dev/null) == "$root" ]]; then
 		# tracked files still on disk (a file deleted but not yet committed is left out)
 		git -C "$root" ls-files -z | while IFS= read -r -d '' f; do
 			[[ -e $root/$f ]] && printf '%s\0' "$f"

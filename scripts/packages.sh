@@ -141,6 +141,18 @@ package_deb_lintian() {
 	fi
 }
 
+# Remove the extension's files from the PostgreSQL of pg_config <pgc>: the
+# library, its JIT bitcode, the control file and the scripts.  A package
+# test installs over nothing, so that it tests the package's files only.
+package_remove_installed() {
+	local pgc=$1
+	rm -fv "$("$pgc" --pkglibdir)"/idempotency.so \
+		"$("$pgc" --pkglibdir)"/bitcode/idempotency.index.bc
+	rm -rfv "$("$pgc" --pkglibdir)"/bitcode/idempotency
+	rm -fv "$("$pgc" --sharedir)"/extension/idempotency.control \
+		"$("$pgc" --sharedir)"/extension/idempotency--*.sql
+}
+
 # Remove the extension's files that a make install left in the packaged
 # PostgreSQL's directories (dpkg refuses nothing there, so a package test
 # over them would test them), then install the .debs and check that dpkg
@@ -155,11 +167,7 @@ package_deb_install() {
 			dpkg --purge "$(package_deb_name "$v")" || return 1
 		fi
 		echo "== PostgreSQL $v: removing files of an earlier make install"
-		rm -fv "$("$pgc" --pkglibdir)"/idempotency.so \
-			"$("$pgc" --pkglibdir)"/bitcode/idempotency.index.bc
-		rm -rfv "$("$pgc" --pkglibdir)"/bitcode/idempotency
-		rm -fv "$("$pgc" --sharedir)"/extension/idempotency.control \
-			"$("$pgc" --sharedir)"/extension/idempotency--*.sql
+		package_remove_installed "$pgc"
 	done
 	echo "== dpkg -i ${PACKAGE_DEBS[*]##*/}"
 	dpkg -i "${PACKAGE_DEBS[@]}" || return 1
@@ -344,7 +352,8 @@ package_pgxn_test() {
 		test_fail pgxn/meta "META.json in the zip"
 	fi
 
-	echo "== PGXN: pgxn install $zip"
+	echo "== PGXN: pgxn install $zip (over no earlier install)"
+	package_remove_installed "$PG_CONFIG"
 	if suite_run "$work/pgxn-install.log" "$FILE_TIMEOUT" \
 		pgxn install --nosudo --pg_config "$PG_CONFIG" "$zip" &&
 		[[ -f $("$PG_CONFIG" --pkglibdir)/idempotency.so ]]; then

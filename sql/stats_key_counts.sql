@@ -64,6 +64,32 @@ SET idempotency.stats_exact_limit = -1;
 SELECT pending, succeeded, failed, key_counts_exact
   FROM idempotency.stats WHERE database = current_database();
 RESET ROLE;
+
+-- the counts answer only a role that may read the view: revoking SELECT on
+-- the view hides them however the role asks
+REVOKE SELECT ON idempotency.stats FROM PUBLIC;
+SET ROLE regress_idem_monitor;
+SELECT pending FROM idempotency.stats;
+SELECT * FROM idempotency.stats_key_counts();
+RESET ROLE;
+GRANT SELECT ON idempotency.stats TO regress_idem_monitor;
+SET ROLE regress_idem_monitor;
+SELECT * FROM idempotency.stats_key_counts();
+RESET ROLE;
+GRANT SELECT ON idempotency.stats TO PUBLIC;
+REVOKE SELECT ON idempotency.stats FROM regress_idem_monitor;
+
+-- a row with NULLs where the table says NOT NULL (someone altered the
+-- table) is not counted, and the count keeps answering
+BEGIN;
+ALTER TABLE idempotency.keys ALTER status DROP NOT NULL, ALTER expires_at DROP NOT NULL;
+INSERT INTO idempotency.keys VALUES ('x', 'null-status', NULL, 1, 1, NULL, NULL, NULL,
+	now(), NULL, NULL, now() + interval '1 hour', interval '1 hour', now() + interval '1 hour');
+INSERT INTO idempotency.keys VALUES ('x', 'null-expiry', 'pending', 1, 1, NULL, NULL, NULL,
+	now(), NULL, NULL, NULL, interval '1 hour', now() + interval '1 hour');
+SELECT * FROM idempotency.stats_key_counts();
+ROLLBACK;
+
 -- bad values
 SET idempotency.stats_exact_limit = -2;
 SET idempotency.stats_exact_limit = 'lots';

@@ -464,9 +464,11 @@ idem_row_sweep_candidates(TimestampTz now, int limit,
  * fewer than twice is not among them, and estimates as 0).  Estimates
  * include keys whose retention ended but that the sweep has not deleted
  * yet.  A table
- * too large to scan that was never analyzed has no estimate.  A row with a
- * status the functions never write is not counted: a monitoring query
- * must keep answering.
+ * too large to scan that was never analyzed (or was emptied by TRUNCATE
+ * since its last VACUUM or ANALYZE, which resets pg_class's figures) has no
+ * estimate.  A row with a status the functions never write, or with NULL
+ * where the table says NOT NULL, is not counted: a monitoring query must
+ * keep answering.
  */
 IdemKeyCountSource
 idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS])
@@ -493,6 +495,10 @@ idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS]
 
 			CHECK_FOR_INTERRUPTS();
 			slot_getsomeattrs(slot, COL_EXPIRES_AT);
+			/* NULLs only in a table someone altered: not a key, not counted */
+			if (slot->tts_isnull[COL_STATUS - 1] ||
+				slot->tts_isnull[COL_EXPIRES_AT - 1])
+				continue;
 			if (DatumGetTimestampTz(slot->tts_values[COL_EXPIRES_AT - 1]) <= now)
 				continue;
 			status = DatumGetTextPP(slot->tts_values[COL_STATUS - 1]);

@@ -27,7 +27,10 @@
 #include "storage/shmem.h"
 #include "storage/spin.h"
 #include "access/xact.h"
+#include "catalog/namespace.h"
+#include "utils/acl.h"
 #include "utils/builtins.h"
+#include "utils/lsyscache.h"
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
 
@@ -275,6 +278,28 @@ idem_stats_reset(PG_FUNCTION_ARGS)
 }
 
 /*
+ * The counts are read in C, with no privilege on the table, so they take
+ * the stats view's: a role may read them, however it asks, only if it may
+ * read the view.  An administrator who revokes SELECT on the view from a
+ * role hides the counts from that role too.
+ */
+static void
+stats_check_view_privilege(void)
+{
+	Oid			nsp = get_namespace_oid("idempotency", true);
+	Oid			view = OidIsValid(nsp) ? get_relname_relid("stats", nsp) : InvalidOid;
+	AclResult	aclresult;
+
+	if (!OidIsValid(view))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("relation \"idempotency.stats\" does not exist")));
+	aclresult = pg_class_aclcheck(view, GetUserId(), ACL_SELECT);
+	if (aclresult != ACLCHECK_OK)
+		aclcheck_error(aclresult, OBJECT_VIEW, "stats");
+}
+
+/*
  * idempotency.stats_key_counts(): this database's keys by status, and
  * whether the counts are exact (see idem_row_count_keys; the limit is
  * idempotency.stats_exact_limit).  Without an estimate the counts are NULL.
@@ -290,6 +315,7 @@ idem_stats_key_counts(PG_FUNCTION_ARGS)
 
 	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
 		elog(ERROR, "return type must be a row type");
+	stats_check_view_privilege();
 	source = idem_row_count_keys(GetCurrentTimestamp(), idem_stats_exact_limit,
 								 counts);
 	for (int i = 0; i < IDEM_NSTATUS; i++)

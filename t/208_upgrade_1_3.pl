@@ -9,8 +9,10 @@
 #     and its keys work on (replay, finish with a 1.2 token);
 #   - the stats view keeps its columns, in order, and gains
 #     key_counts_exact; its key counts are the ones 1.2 showed; privileges
-#     an administrator set on the view carry over (it is replaced in place),
-#     and a user's view over it keeps working;
+#     and options an administrator set on the view carry over (it is
+#     replaced in place), a role kept from the view cannot read the counts
+#     through stats_key_counts() either, and a user's view over it keeps
+#     working;
 #   - the updates from 1.2 and from 1.0 (one ALTER EXTENSION: 1.0 to 1.1 to
 #     1.2 to 1.3) both give the catalog of a fresh 1.3 install.
 #
@@ -73,8 +75,11 @@ my $done_md5 = body_md5($node, 'up', q{'{"id": 1}'});
 sql('up', q{
 CREATE ROLE regress_monitor;
 GRANT USAGE ON SCHEMA idempotency TO regress_monitor;
+CREATE ROLE regress_app;
+GRANT USAGE ON SCHEMA idempotency TO regress_app;
 REVOKE SELECT ON idempotency.stats FROM PUBLIC;
 GRANT SELECT ON idempotency.stats TO regress_monitor;
+ALTER VIEW idempotency.stats SET (security_barrier = true);
 CREATE VIEW public.key_counts AS
 	SELECT pending, succeeded, failed FROM idempotency.stats
 	 WHERE database = current_database();
@@ -108,6 +113,16 @@ is( sql('up',
 is( sql('up', 'SET ROLE regress_monitor; SELECT concat_ws(\',\', pending, succeeded, failed) '
 		  . 'FROM idempotency.stats WHERE database = current_database()'),
 	'1,1,1', 'up: regress_monitor reads the counts without any privilege on the table');
+is( sql('up', "SELECT array_to_string(reloptions, ',') FROM pg_class "
+		  . "WHERE oid = 'idempotency.stats'::regclass"),
+	'security_barrier=true', 'up: the view keeps the options the administrator set');
+my ($state) = sql_result($node, 'up',
+	'SET ROLE regress_app; SELECT * FROM idempotency.stats_key_counts()');
+is($state, '42501',
+	'up: a role the administrator kept from the view cannot read the counts through stats_key_counts() either');
+is( sql('up', 'SET ROLE regress_monitor; SELECT concat_ws(\',\', pending, succeeded, failed) '
+		  . 'FROM idempotency.stats_key_counts()'),
+	'1,1,1', 'up: regress_monitor, who may read the view, may call it');
 is(sql('up', 'SELECT concat_ws(\',\', pending, succeeded, failed) FROM public.key_counts'),
 	'1,1,1', 'up: the user\'s view over stats keeps working');
 
