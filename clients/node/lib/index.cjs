@@ -23,7 +23,7 @@ const MAX_KEY_LENGTH = 255;
 const DEFAULT_LEASE = 30;            /* seconds */
 const DEFAULT_RETENTION = 86400;     /* seconds: 24 h */
 const DEFAULT_PROBLEM_BASE = 'urn:idempotency:problem:';
-const DEFAULT_STORE_HEADERS = ['content-type', 'location'];
+const DEFAULT_STORE_HEADERS = ['content-type', 'content-encoding', 'location'];
 
 /* SQLSTATEs of the extension this module reacts to */
 const SQLSTATE = {
@@ -68,8 +68,13 @@ SELECT idempotency.idem_extend(key => $1, token => $2::bigint,
 
 const RELEASE_SQL = `SELECT idempotency.idem_release(key => $1, token => $2::bigint, scope => $3)`;
 
+/* the stored result itself too: a cache entry needs the expiry of the result it holds */
 const LOOKUP_SQL = `
-SELECT (pg_catalog.date_part('epoch', l.expires_at) * 1000)::float8 AS expires_ms
+SELECT (pg_catalog.date_part('epoch', l.expires_at) * 1000)::float8 AS expires_ms,
+       l.status, l.response_code,
+       (l.response_body -> 'headers')::text AS headers,
+       (l.response_body -> 'json')::text AS json,
+       l.response_body ->> 'base64' AS base64
   FROM idempotency.idem_lookup(key => $1, scope => $2) AS l`;
 
 /* ------------------------------------------------------------------ errors */
@@ -250,12 +255,7 @@ async function idempotent(pool, options, fn) {
 		case 'replay':
 			if (claim.status === 'failed')
 				throw new StoredFailureError(key, claim.error === null ? null : JSON.parse(claim.error));
-			return {
-				replayed: true,
-				value: claim.json === null ? undefined : JSON.parse(claim.json),
-				attempt: null,
-				token: null,
-			};
+			return { replayed: true, value: storedValue(claim), attempt: null, token: null };
 		case 'in_progress':
 			throw new InProgressError(key, claim.retry_after ?? 1);
 		case 'mismatch':
@@ -298,13 +298,23 @@ async function idempotent(pool, options, fn) {
 
 	let envelope;
 	try {
-		envelope = value === undefined ? '{"v":1}' : `{"v":1,"json":${toJsonText(value, 'the return value')}}`;
+		/* no value is JSON null, as the Python library stores None */
+		envelope = `{"v":1,"json":${value === undefined ? 'null' : toJsonText(value, 'the return value')}}`;
 	} catch (err) {
 		await releaseOrLost(pool, key, token, scope, err);
 		throw err;
 	}
 	await finishOrLost(pool, [key, token, null, envelope, scope, 'succeeded', retention]);
 	return { replayed: false, value, attempt, token };
+}
+
+/* a job's stored value: json, the bytes of base64, or undefined for none (an older {"v":1}) */
+function storedValue(claim) {
+	if (claim.json !== null)
+		return JSON.parse(claim.json);
+	if (claim.base64 !== null)
+		return Buffer.from(claim.base64, 'base64');
+	return undefined;
 }
 
 async function releaseOrLost(db, key, token, scope, cause) {
@@ -661,7 +671,7 @@ function createEngine(options) {
 			case 'replay': {
 				const response = replayResponse(claim);
 				if (cache)
-					await fillCache(cacheId, requestText, response, key, scope);
+					await fillCache(cacheId, requestText, response, claim, key, scope);
 				return { action: 'respond', response };
 			}
 			case 'in_progress': {
@@ -716,7 +726,23 @@ function createEngine(options) {
 					'the result was not stored');
 				return lostKey();
 			}
-			const decision = storePolicy(status);
+			let decision;
+			try {
+				decision = storePolicy(status);
+				if (decision !== 'succeeded' && decision !== 'failed' && decision !== 'release')
+					throw new TypeError(`storePolicy(${status}) returned ${String(decision)}; ` +
+						"expected 'succeeded', 'failed' or 'release'");
+			} catch (err) {
+				/* nothing is stored: give the key (and a transaction's client) back */
+				if (client) {
+					await discard(client);
+					client = null;
+				} else {
+					await releaseOrLost(pool, key, token, scope).catch((e) =>
+						log('pg-idempotency: release failed; the key frees itself when its lease ends', e));
+				}
+				throw err;
+			}
 			if (decision === 'release') {
 				try {
 					if (client) {
@@ -739,9 +765,6 @@ function createEngine(options) {
 				}
 				return { status, headers, body };
 			}
-			if (decision !== 'succeeded' && decision !== 'failed')
-				throw new TypeError(`storePolicy(${status}) returned ${String(decision)}; ` +
-					"expected 'succeeded', 'failed' or 'release'");
 
 			const stored = {};
 			for (const name of storeHeaders)
@@ -809,11 +832,18 @@ function createEngine(options) {
 		return { action: 'run', context, complete, abandon };
 	}
 
-	async function fillCache(cacheId, requestText, response, key, scope) {
+	/*
+	 * The key may have been swept, or swept and settled anew, between the claim
+	 * and this lookup: only the expiry of the replayed result itself may keep
+	 * it in the cache.
+	 */
+	async function fillCache(cacheId, requestText, response, claim, key, scope) {
 		try {
 			const { rows } = await pool.query(LOOKUP_SQL, [key, scope]);
-			if (rows[0])
-				cache.set(cacheId, requestText, response, rows[0].expires_ms);
+			const found = rows[0];
+			if (found && found.status === claim.status && found.response_code === claim.response_code &&
+				found.headers === claim.headers && found.json === claim.json && found.base64 === claim.base64)
+				cache.set(cacheId, requestText, response, found.expires_ms);
 		} catch (err) {
 			log('pg-idempotency: lookup for the cache failed', err);
 		}
@@ -892,8 +922,18 @@ function sendNode(res, response, original = res) {
 	res.statusCode = response.status;
 	for (const [name, value] of Object.entries(response.headers))
 		res.setHeader(name, value);
-	res.setHeader('content-length', String(response.body.length));
-	original.end.call(res, response.body);
+	if (hasBody(response.status)) {
+		res.setHeader('content-length', String(response.body.length));
+		original.end.call(res, response.body);
+	} else {
+		res.removeHeader('content-length');
+		original.end.call(res);
+	}
+}
+
+/* 204 and 304 carry no body, and so no content-length */
+function hasBody(status) {
+	return status !== 204 && status !== 304;
 }
 
 /*
@@ -1056,7 +1096,7 @@ async function fastifyIdempotency(fastify, options) {
 			return;
 		if (started.action === 'respond') {
 			reply.code(started.response.status).headers(started.response.headers);
-			return reply.send(started.response.body);
+			return reply.send(hasBody(started.response.status) ? started.response.body : undefined);
 		}
 		request.idempotency = started.context;
 		request[ATTEMPT] = started;
@@ -1083,6 +1123,10 @@ async function fastifyIdempotency(fastify, options) {
 			if (!(name in response.headers))
 				reply.removeHeader(name);
 		reply.headers(response.headers);
+		if (!hasBody(response.status)) {
+			reply.removeHeader('content-length');
+			return null;
+		}
 		reply.header('content-length', String(response.body.length));
 		return response.body;
 	});

@@ -1,6 +1,7 @@
 // Shared test helpers: the database, apps of both frameworks over real HTTP,
 // a pool wrapper that counts and records statements, and gates a test opens.
 import http from 'node:http';
+import { gzipSync } from 'node:zlib';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
 import express from 'express';
@@ -110,6 +111,13 @@ export function createControl() {
 			bytes: Buffer.from('{"b":1,   "a":[1.50, 12345678901234567890]}'),
 		}),
 		'/empty': async () => ({ status: 204 }),
+		'/echo-raw': async (ctx, req) => ({
+			status: 200, headers: { 'content-type': 'application/json', etag: '"v1"' }, bytes: req.raw,
+		}),
+		'/gzip': async () => ({
+			status: 200, headers: { 'content-type': 'application/json', 'content-encoding': 'gzip' },
+			bytes: gzipSync(Buffer.from('{"packed": true}')),
+		}),
 		'/headers': async () => ({
 			status: 201,
 			headers: { location: '/things/7', 'x-custom': 'first-only' },
@@ -156,7 +164,7 @@ export async function startExpress(options, { transactional = ['/tx'] } = {}) {
 		const run = async (req, res) => {
 			const ctx = idempotencyContext(req);
 			count(control, ctx);
-			const out = await handler(ctx ?? {}, { body: req.body, query: req.query, rawLength: req.rawBody?.length ?? 0 });
+			const out = await handler(ctx ?? {}, { body: req.body, query: req.query, rawLength: req.rawBody?.length ?? 0, raw: req.rawBody });
 			res.status(out.status);
 			for (const [n, v] of Object.entries(out.headers ?? {}))
 				res.setHeader(n, v);
@@ -196,6 +204,7 @@ export async function startFastify(options, { transactional = ['/tx'] } = {}) {
 			count(control, ctx);
 			const out = await handler(ctx ?? {}, {
 				body: request.body, query: request.query,
+				raw: request[Symbol.for('pg-idempotency.rawBody')],
 				rawLength: Buffer.isBuffer(request.body) ? request.body.length : JSON.stringify(request.body ?? '').length,
 			});
 			reply.code(out.status).headers(out.headers ?? {});

@@ -36,14 +36,25 @@ test('runs once, stores the value as json, replays it without running again', as
 	assert.equal(runs, 1);
 });
 
-test('undefined is stored as no value; null as json null', async () => {
+test('undefined and null are stored as json null, as Python stores None', async () => {
 	const a = newKey('job');
 	await idempotent(pool, { key: a }, async () => undefined);
-	assert.deepEqual((await row(a)).response_body, { v: 1 });
-	assert.equal((await idempotent(pool, { key: a }, async () => 1)).value, undefined);
+	assert.deepEqual((await row(a)).response_body, { v: 1, json: null });
+	assert.equal((await idempotent(pool, { key: a }, async () => 1)).value, null);
 	const b = newKey('job');
 	await idempotent(pool, { key: b }, async () => null);
 	assert.deepEqual((await row(b)).response_body, { v: 1, json: null });
+});
+
+test('a replay reads {"v":1} as no value and base64 as a Buffer', async () => {
+	for (const [envelope, value] of [['{"v": 1}', undefined], ['{"v": 1, "base64": "AAH/"}', Buffer.from([0, 1, 255])]]) {
+		const key = newKey('job');
+		const { rows } = await db.query('SELECT token::text FROM idempotency.idem_claim(key => $1)', [key]);
+		await db.query('SELECT idempotency.idem_finish($1, $2::bigint, NULL, $3::jsonb)', [key, rows[0].token, envelope]);
+		const again = await idempotent(pool, { key }, async () => 'ran');
+		assert.equal(again.replayed, true);
+		assert.deepEqual(again.value, value);
+	}
 });
 
 test('a different request under the same key throws MismatchError', async () => {

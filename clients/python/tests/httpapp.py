@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import threading
 from typing import Any, AsyncIterator, Dict, List, Optional
 
@@ -85,6 +86,18 @@ def make_app(pool: Optional[AsyncConnectionPool] = None, **options: Any) -> Any:
     async def json_bad() -> Response:
         count("json-bad")
         return Response(b"{not json", media_type="application/json")
+
+    @app.post("/echo-json")
+    async def echo_json(request: Request) -> Response:
+        count("echo-json")
+        return Response(await request.body(), media_type="application/json",
+                        headers={"ETag": '"v1"'})
+
+    @app.post("/gzip")
+    async def gzipped() -> Response:
+        count("gzip")
+        return Response(gzip.compress(b'{"packed": true}'), media_type="application/json",
+                        headers={"Content-Encoding": "gzip"})
 
     @app.post("/empty")
     async def empty() -> Response:

@@ -9,11 +9,14 @@ behind PgBouncer in transaction pooling mode.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as _dt
 import json
+import re
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Tuple, TypeVar, Union
 
 import psycopg
 
@@ -64,7 +67,38 @@ RELEASE_SQL = """
 SELECT idempotency.idem_release(key => %(key)s, token => %(token)s, scope => %(scope)s)"""
 
 LOOKUP_SQL = """
-SELECT expires_at FROM idempotency.idem_lookup(key => %(key)s, scope => %(scope)s)"""
+SELECT status, response_code, response_body, expires_at
+  FROM idempotency.idem_lookup(key => %(key)s, scope => %(scope)s)"""
+
+# The HTTP middleware's claim also reads PostgreSQL's text of the stored JSON
+# body (the envelope's "json" member, or a whole body stored without the
+# envelope), so that a replay sends the bytes the Node library sends.
+HTTP_CLAIM_SQL = """
+SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body,
+       c.retry_after,
+       CASE WHEN pg_catalog.jsonb_typeof(c.response_body -> 'v') = 'number'
+                 AND c.response_body -> 'v' = '1'::jsonb
+            THEN (c.response_body -> 'json')::text
+            ELSE c.response_body::text END AS body_text
+  FROM idempotency.idem_claim(key       => %(key)s,
+                              request   => %(request)s,
+                              scope     => %(scope)s,
+                              lease     => %(lease)s::interval,
+                              retention => %(retention)s::interval,
+                              wait      => %(wait)s::interval) AS c"""
+
+# The envelope goes as text that PostgreSQL parses: a JSON body is stored as
+# the handler wrote it, and the first answer is PostgreSQL's text of it, the
+# same bytes every replay sends.
+HTTP_FINISH_SQL = """
+SELECT f.expires_at, (%(body)s::jsonb -> 'json')::text AS json_text
+  FROM idempotency.idem_finish(key           => %(key)s,
+                               token         => %(token)s,
+                               response_code => %(code)s::int,
+                               response_body => %(body)s::jsonb,
+                               scope         => %(scope)s,
+                               status        => %(status)s,
+                               retention     => %(retention)s::interval) AS f(expires_at)"""
 
 
 def to_timedelta(value: Optional[Duration]) -> Optional[_dt.timedelta]:
@@ -83,6 +117,71 @@ def to_seconds(value: Duration) -> float:
 
 def is_lost(err: BaseException) -> bool:
     return isinstance(err, psycopg.Error) and err.sqlstate in LOST_SQLSTATES
+
+
+# SQLSTATEs worth another try of the same statement: a key busy with another
+# call, a serialization failure, a deadlock.
+TRANSIENT_SQLSTATES = frozenset({"55P03", "40001", "40P01"})
+
+
+def is_transient(err: BaseException) -> bool:
+    """A busy key, or a lost connection (an OperationalError without a
+    SQLSTATE, the pool's timeout included): the same statement may succeed."""
+    if not isinstance(err, psycopg.Error):
+        return False
+    if err.sqlstate is None:
+        return isinstance(err, psycopg.OperationalError)
+    return err.sqlstate in TRANSIENT_SQLSTATES
+
+
+RETRIES = 4
+T = TypeVar("T")
+
+
+def _retry_failed(err: psycopg.Error, attempt: int) -> bool:
+    """True: give up and raise ``err``, marked ``idem_retried`` after a retry
+    (a release then takes "absent" as its own earlier success whose reply was
+    lost)."""
+    if attempt >= RETRIES or not is_transient(err):
+        if attempt > 0:
+            setattr(err, "idem_retried", True)
+        return True
+    return False
+
+
+def call_with_retry(fn: Callable[[], T]) -> T:
+    """Run a token statement (finish, extend, release) again after a transient
+    failure. Repeating them is safe: a finish repeated with its own token
+    returns the same expiry."""
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except psycopg.Error as e:
+            if _retry_failed(e, attempt):
+                raise
+        time.sleep(0.05 * 2 ** attempt)
+        attempt += 1
+
+
+async def acall_with_retry(fn: Callable[[], Awaitable[T]]) -> T:
+    """``call_with_retry`` for coroutines."""
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except psycopg.Error as e:
+            if _retry_failed(e, attempt):
+                raise
+        await asyncio.sleep(0.05 * 2 ** attempt)
+        attempt += 1
+
+
+def released_before(err: BaseException) -> bool:
+    """A release that answers "absent" after a retry: its first try released
+    the key and the reply was lost."""
+    return (isinstance(err, psycopg.Error) and err.sqlstate == "P0002"
+            and getattr(err, "idem_retried", False))
 
 
 @dataclass(frozen=True)
@@ -166,7 +265,8 @@ def error_envelope(error: BaseException) -> Dict[str, Any]:
 
 
 def is_envelope(body: Any) -> bool:
-    return isinstance(body, dict) and body.get("v") == 1
+    v = body.get("v") if isinstance(body, dict) else None
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1
 
 
 def envelope_value(body: Any) -> Any:
@@ -192,20 +292,21 @@ def envelope_error(body: Any) -> tuple[str, str]:
     return "Error", json.dumps(body, separators=(",", ":"), ensure_ascii=False)
 
 
-def headers_envelope(headers: Mapping[str, str], body: bytes,
-                     content_type: Optional[str]) -> Dict[str, Any]:
-    """An HTTP response as stored: ``json`` when the content type is JSON and the
-    body parses as JSON that jsonb can hold, else ``base64`` (binary safe)."""
-    env: Dict[str, Any] = {"v": 1, "headers": dict(headers)}
+def http_envelope(headers: Mapping[str, str], body: bytes,
+                  content_type: Optional[str]) -> Tuple[str, Optional[str]]:
+    """(envelope text, JSON body text or None) of an HTTP response as stored:
+    ``json`` holds the body's own text when the content type is JSON and the
+    body is JSON that jsonb can hold, else ``base64`` (binary safe). The text
+    is spliced in as it is, so that PostgreSQL parses the handler's bytes
+    (no float rounding, no re-serialisation here)."""
+    head = '{"v":1,"headers":' + json.dumps(dict(headers), separators=(",", ":"))
     if not body:
-        return env
+        return head + "}", None
     if content_type is not None and is_json_media_type(content_type):
-        parsed = _parse_json(body)
-        if parsed is not _NOT_JSON:
-            env["json"] = parsed
-            return env
-    env["base64"] = base64.b64encode(body).decode("ascii")
-    return env
+        text = json_body_text(body)
+        if text is not None:
+            return head + ',"json":' + text + "}", text
+    return head + ',"base64":"' + base64.b64encode(body).decode("ascii") + '"}', None
 
 
 def is_json_media_type(content_type: str) -> bool:
@@ -214,43 +315,48 @@ def is_json_media_type(content_type: str) -> bool:
         "/" in media and media.endswith("+json"))
 
 
-_NOT_JSON = object()
+# jsonb refuses \u0000 and unpaired surrogate escapes; a body that holds
+# such an escape (or anything that looks like one) is kept as bytes, as the
+# Node library does.
+_UNSTORABLE_ESCAPE = re.compile(r"\\u(0000|d[89a-f][0-9a-f]{2})", re.IGNORECASE)
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(name)
 
 
-def _parse_json(body: bytes) -> Any:
+def json_body_text(body: bytes) -> Optional[str]:
+    """The body as text when it is JSON that jsonb can hold, else None."""
     try:
         text = body.decode("utf-8")
-        # jsonb cannot hold U+0000 in a string: such a body is stored as bytes
-        if "\\u0000" in text:
-            return _NOT_JSON
-        return json.loads(text, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError):
-        return _NOT_JSON
+        if _UNSTORABLE_ESCAPE.search(text):
+            return None
+        json.loads(text, parse_constant=_reject_constant)
+        return text
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
 
 
 def render_json(value: Any) -> bytes:
-    """JSON text of a stored ``json`` body, as every response sends it: the text
-    form PostgreSQL gives the jsonb value (``{"a": 1, "b": [1, 2]}``, keys in
-    jsonb's order, UTF-8), which is also what the Node library sends, so that
-    a first answer and every replay are the same bytes whichever library
-    wrote the result."""
+    """JSON text of a value this process holds (a body stored without PostgreSQL's
+    text at hand), in the layout PostgreSQL gives jsonb text."""
     return json.dumps(value, ensure_ascii=False).encode("utf-8")
 
 
-def envelope_body(body: Any) -> tuple[Dict[str, str], bytes]:
-    """(headers, body bytes) of a stored HTTP result."""
+def envelope_body(body: Any, body_text: Optional[str] = None) -> tuple[Dict[str, str], bytes]:
+    """(headers, body bytes) of a stored HTTP result. ``body_text``: PostgreSQL's
+    text of the ``json`` member (of the whole body, for a body stored without
+    the envelope), sent as it is."""
     if not is_envelope(body):
         # a result stored by plain SQL without the envelope: its JSON as the body
         if body is None:
             return {}, b""
-        return {"content-type": "application/json"}, render_json(body)
+        return {"content-type": "application/json"}, (
+            body_text.encode("utf-8") if body_text is not None else render_json(body))
     headers = {str(k).lower(): str(v) for k, v in (body.get("headers") or {}).items()}
     if "json" in body:
-        return headers, render_json(body["json"])
+        return headers, (body_text.encode("utf-8") if body_text is not None
+                         else render_json(body["json"]))
     if "base64" in body:
         return headers, base64.b64decode(body["base64"])
     if "error" in body:

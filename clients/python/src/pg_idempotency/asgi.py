@@ -21,6 +21,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 from typing import (Any, Awaitable, Callable, Collection, Dict, Iterator, List, Literal,
                     Mapping, MutableMapping, Optional, Tuple, Union)
 
@@ -29,10 +30,9 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from ._core import (CLAIM_SQL, EXTEND_SQL, FINISH_SQL, LOOKUP_SQL, RELEASE_SQL, ClaimRow,
-                    render_json,
-                    Duration, envelope_body, headers_envelope, is_lost, to_seconds,
-                    to_timedelta)
+from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, RELEASE_SQL,
+                    ClaimRow, Duration, acall_with_retry, envelope_body, http_envelope,
+                    is_lost, is_transient, released_before, to_seconds, to_timedelta)
 from .cache import CachedResult, ResultCache
 from .header import parse_idempotency_key
 
@@ -60,7 +60,15 @@ _TITLES = {
     "idempotency-key-in-use": "Idempotency-Key in use",
     "idempotency-key-reused": "Idempotency-Key reused",
     "idempotency-key-lost": "Idempotency-Key lost",
+    "idempotency-unavailable": "Idempotency store briefly unavailable",
 }
+
+# SQLSTATE of a server (or PgBouncer target) that only reads: the key cannot
+# be claimed now, but may be after a failover.
+_READ_ONLY = "25006"
+
+# statuses whose responses carry no body, and so no content-length
+_NO_BODY = frozenset({204, 304})
 
 
 def default_store_policy(status: int) -> StoreDecision:
@@ -163,7 +171,7 @@ class IdempotencyMiddleware:
     lease/3 while the app runs. ``retention`` (default 24 h): how long results
     are kept, announced in ``Idempotency-Key-Retention``.
     ``store_headers``: response headers stored and replayed (default
-    content-type, location). ``store_policy(status)``: 'succeeded', 'failed'
+    content-type, content-encoding, location). ``store_policy(status)``: 'succeeded', 'failed'
     or 'release' (default ``default_store_policy``).
     ``problem_type_base``: prefix of the problem ``type`` URIs.
     ``cache``: an int N or a ``ResultCache``: serve replays of finished keys
@@ -175,7 +183,8 @@ class IdempotencyMiddleware:
                  scope: Optional[Callable[[IdempotencyRequest], Union[str, Awaitable[str]]]] = None,
                  fingerprint: Optional[Callable[[IdempotencyRequest], Any]] = None,
                  lease: Duration = 30, retention: Duration = 86400,
-                 store_headers: Collection[str] = ("content-type", "location"),
+                 store_headers: Collection[str] = ("content-type", "content-encoding",
+                                                   "location"),
                  store_policy: StorePolicy = default_store_policy,
                  problem_type_base: str = "urn:idempotency:problem:",
                  cache: Union[None, int, ResultCache] = None,
@@ -189,7 +198,8 @@ class IdempotencyMiddleware:
         self.lease = to_timedelta(lease)
         self.lease_seconds = to_seconds(lease)
         self.retention = to_timedelta(retention)
-        self.retention_header = str(int(to_seconds(retention)))
+        # rounded half up, as JavaScript's Math.round, so both libraries announce the same
+        self.retention_header = str(math.floor(to_seconds(retention) + 0.5))
         self.store_headers = frozenset(h.lower() for h in store_headers)
         self.store_policy = store_policy
         self.problem_type_base = problem_type_base
@@ -223,23 +233,29 @@ class IdempotencyMiddleware:
         if self.cache is not None:
             hit = self.cache.get(idem_scope, key, fp_text)
             if hit is not None:
-                await self._replay(send, hit.response_code, hit.response_body)
+                await self._replay(send, hit.response_code, hit.response_body, hit.body_text)
                 return
 
-        async with self.pool.connection() as conn:
-            row = ClaimRow(*await _one(conn, CLAIM_SQL, {
-                "key": key, "request": Jsonb(fingerprint), "scope": idem_scope,
-                "lease": self.lease, "retention": self.retention,
-                "wait": to_timedelta(0)}))
-            if row.outcome == "replay" and self.cache is not None:
-                (expires_at,) = await _one(conn, LOOKUP_SQL, {"key": key, "scope": idem_scope})
-                if expires_at is not None:
-                    self.cache.put(idem_scope, key, CachedResult(
-                        fp_text, row.status or "succeeded", row.response_code,
-                        row.response_body, expires_at))
+        try:
+            async with self.pool.connection() as conn:
+                claim = await _one(conn, HTTP_CLAIM_SQL, {
+                    "key": key, "request": Jsonb(fingerprint), "scope": idem_scope,
+                    "lease": self.lease, "retention": self.retention,
+                    "wait": to_timedelta(0)})
+        except psycopg.Error as e:
+            if is_transient(e) or e.sqlstate == _READ_ONLY:
+                self.log.warning("idempotency claim of key %r failed: %s", key, e)
+                await self._unavailable(send)
+                return
+            raise
+        assert claim is not None
+        row = ClaimRow(*claim[:7])
+        body_text: Optional[str] = claim[7]
 
         if row.outcome == "replay":
-            await self._replay(send, row.response_code, row.response_body)
+            if self.cache is not None:
+                await self._fill_cache(row, body_text, key, idem_scope, fp_text)
+            await self._replay(send, row.response_code, row.response_body, body_text)
         elif row.outcome == "in_progress":
             await self._problem(send, 409, "idempotency-key-in-use",
                                 "A request with this Idempotency-Key is still being processed; "
@@ -286,8 +302,7 @@ class IdempotencyMiddleware:
                 except asyncio.TimeoutError:
                     pass
                 try:
-                    async with self.pool.connection() as conn:
-                        await _one(conn, EXTEND_SQL, dict(ids, lease=self.lease))
+                    await self._token_call(EXTEND_SQL, dict(ids, lease=self.lease))
                 except psycopg.Error as e:
                     if is_lost(e):
                         lost.append(e.sqlstate or "")
@@ -326,36 +341,71 @@ class IdempotencyMiddleware:
                 if name in self.store_headers:
                     value = v.decode("latin-1")
                     headers[name] = f"{headers[name]}, {value}" if name in headers else value
-            envelope = headers_envelope(headers, bytes(response.body), headers.get("content-type")
-                                        or _header(response.headers, b"content-type"))
+            body_in = b"" if status in _NO_BODY else bytes(response.body)
+            envelope, json_text = http_envelope(headers, body_in, headers.get("content-type")
+                                                or _header(response.headers, b"content-type"))
             try:
-                async with self.pool.connection() as conn:
-                    (expires_at,) = await _one(conn, FINISH_SQL, dict(
-                        ids, code=status, body=Jsonb(envelope), status=decision,
-                        retention=self.retention))
+                finished = await self._token_call(HTTP_FINISH_SQL, dict(
+                    ids, code=status, body=envelope, status=decision,
+                    retention=self.retention))
             except psycopg.Error as e:
                 if is_lost(e):
                     await self._lost(send, key, idem_scope, e.sqlstate or "")
                     return
+                self.log.warning("could not store the result of idempotency key %r: %s", key, e)
                 await self._release(ids)
-                raise
+                await self._unavailable(send)
+                return
+            assert finished is not None
+            expires_at, stored_text = finished
             if self.cache is not None:
-                self.cache.put(idem_scope, key, CachedResult(fp_text, decision, status,
-                                                             envelope, expires_at))
-        body_out = bytes(response.body)
-        if decision != "release" and "json" in envelope:
-            # what every replay of this key will send
-            body_out = render_json(envelope["json"])
+                self.cache.put(idem_scope, key, CachedResult(
+                    fp_text, decision, status, json.loads(envelope) if json_text is None
+                    else {"v": 1, "headers": headers, "json": json.loads(stored_text)},
+                    expires_at, stored_text))
+            if json_text is not None:
+                # what every replay of this key will send: PostgreSQL's text of the body
+                out_headers = [h for h in response.headers if h[0].lower() != b"etag"]
+                await self._send(send, status, out_headers + [self._retention_header()],
+                                 stored_text.encode("utf-8"), content_length=True)
+                return
         await self._send(send, status, response.headers + [self._retention_header()],
-                         body_out, content_length=True)
+                         bytes(response.body), content_length=True)
+
+    async def _token_call(self, sql: str, params: Mapping[str, Any]) -> Optional[Tuple[Any, ...]]:
+        """A token statement on a pool connection, tried again after a transient failure."""
+        async def once() -> Optional[Tuple[Any, ...]]:
+            async with self.pool.connection() as conn:
+                return await _one(conn, sql, params)
+        return await acall_with_retry(once)
 
     async def _release(self, ids: Dict[str, Any]) -> None:
         try:
-            async with self.pool.connection() as conn:
-                await _one(conn, RELEASE_SQL, ids)
+            await self._token_call(RELEASE_SQL, ids)
         except psycopg.Error as e:
-            if not is_lost(e):
+            if not is_lost(e) and not released_before(e):
                 self.log.warning("could not release idempotency key %r: %s", ids["key"], e)
+
+    async def _fill_cache(self, row: ClaimRow, body_text: Optional[str], key: str,
+                          idem_scope: str, fp_text: str) -> None:
+        """Cache a replay with its key's expiry, read after the claim. The key may
+        have been swept, or swept and settled anew, in between: only a lookup
+        that finds the replayed result itself gives the expiry to cache it with."""
+        try:
+            async with self.pool.connection() as conn:
+                found = await _one(conn, LOOKUP_SQL, {"key": key, "scope": idem_scope})
+        except psycopg.Error as e:
+            self.log.warning("idempotency lookup of key %r for the cache failed: %s", key, e)
+            return
+        if found is None:
+            return
+        status, response_code, response_body, expires_at = found
+        if (expires_at is None or status != row.status or response_code != row.response_code
+                or response_body != row.response_body):
+            return
+        self.cache.put(idem_scope, key, CachedResult(  # type: ignore[union-attr]
+            fp_text, row.status or "succeeded", row.response_code, row.response_body,
+            expires_at, body_text))
 
     async def _lost(self, send: Send, key: str, idem_scope: str, sqlstate: str) -> None:
         self.log.warning("lost the claim on idempotency key %r (scope %r, SQLSTATE %s): "
@@ -378,8 +428,14 @@ class IdempotencyMiddleware:
             await send(message)
         return wrapped
 
-    async def _replay(self, send: Send, code: Optional[int], stored: Any) -> None:
-        headers, body = envelope_body(stored)
+    async def _unavailable(self, send: Send) -> None:
+        await self._problem(send, 503, "idempotency-unavailable",
+                            "The result could not be recorded. Retry this request with the "
+                            "same Idempotency-Key.", [(b"retry-after", b"1")])
+
+    async def _replay(self, send: Send, code: Optional[int], stored: Any,
+                      body_text: Optional[str] = None) -> None:
+        headers, body = envelope_body(stored, body_text)
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         raw.append((b"idempotent-replayed", b"true"))
         raw.append(self._retention_header())
@@ -397,7 +453,10 @@ class IdempotencyMiddleware:
                     body: bytes, content_length: bool = False) -> None:
         if content_length:
             headers = [h for h in headers if h[0].lower() != b"content-length"]
-            headers.append((b"content-length", str(len(body)).encode()))
+            if status not in _NO_BODY:
+                headers.append((b"content-length", str(len(body)).encode()))
+            else:
+                body = b""
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -425,12 +484,11 @@ async def _read_body(receive: Receive) -> Optional[bytes]:
 
 
 async def _one(conn: "psycopg.AsyncConnection[Any]", sql: str,
-               params: Mapping[str, Any]) -> Tuple[Any, ...]:
+               params: Mapping[str, Any]) -> Optional[Tuple[Any, ...]]:
     cur = conn.cursor(row_factory=tuple_row)
     try:
         await cur.execute(sql, params, prepare=False)
         row = await cur.fetchone()
     finally:
         await cur.close()
-    assert row is not None
     return row

@@ -19,6 +19,8 @@ class CachedResult:
     response_code: Optional[int]
     response_body: Any
     expires_at: _dt.datetime
+    #: PostgreSQL's text of the stored JSON body, sent as it is (None: no JSON body)
+    body_text: Optional[str] = None
 
 
 class ResultCache:

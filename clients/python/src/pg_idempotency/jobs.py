@@ -48,8 +48,9 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ._core import (CLAIM_SQL, EXTEND_SQL, FINISH_SQL, RELEASE_SQL, ClaimRow, Duration,
                     InProgressError, KeyLostError, MismatchError, StoredFailureError,
-                    envelope_error, envelope_value, error_envelope, is_lost, to_seconds,
-                    to_timedelta, value_envelope)
+                    acall_with_retry, call_with_retry, envelope_error, envelope_value,
+                    error_envelope, is_lost, released_before, to_seconds, to_timedelta,
+                    value_envelope)
 
 __all__ = ["Job", "AsyncJob", "Idempotent", "AsyncIdempotent", "idempotent",
            "idempotent_job", "current_job", "Retryable"]
@@ -167,7 +168,9 @@ class Job(_JobBase):
         """
         self._check_owner("finish")
         self.value = value
-        self._owner._stop_heartbeat(join=False)
+        # a beat in flight would make the finish answer 55P03 (an extend and a
+        # finish of one key at once): let it end first
+        self._owner._stop_heartbeat(join=True)
         self._owner._store(value_envelope(value), "succeeded", conn=conn)
         self._finished = True
 
@@ -184,7 +187,8 @@ class AsyncJob(_JobBase):
         """Store ``value`` now; see ``Job.finish``."""
         self._check_owner("finish")
         self.value = value
-        self._owner._stop_heartbeat()
+        # a beat in flight would make the finish answer 55P03: let it end first
+        await self._owner._stop_heartbeat()
         await self._owner._store(value_envelope(value), "succeeded", conn=conn)
         self._finished = True
 
@@ -230,12 +234,21 @@ class _SyncRunner:
         with c.transaction():
             return _exec(c, sql, params)
 
+    def token_call(self, sql: str, params: dict[str, Any],
+                   conn: Optional["psycopg.Connection[Any]"] = None) -> Tuple[Any, ...]:
+        """A token statement (finish, release), tried again after a transient
+        failure unless it runs in the caller's transaction, which that failure
+        aborted."""
+        if conn is not None or self.in_transaction():
+            return self.one(sql, params, conn=conn)
+        return call_with_retry(lambda: self.one(sql, params))
+
     def beat(self, sql: str, params: dict[str, Any]) -> None:
         """The heartbeat's statement: on the pool, or on a connection of its own,
         so that it never lands in a transaction the block has open on the
         caller's connection."""
         if isinstance(self.db, ConnectionPool):
-            self.one(sql, params)
+            call_with_retry(lambda: self.one(sql, params))
             return
         if self._beat_conn is None:
             info = self.db.info
@@ -243,7 +256,8 @@ class _SyncRunner:
             if info.password:
                 kwargs["password"] = info.password
             self._beat_conn = psycopg.Connection.connect(info.dsn, **kwargs)
-        _exec(self._beat_conn, sql, params)
+        beat_conn = self._beat_conn
+        call_with_retry(lambda: _exec(beat_conn, sql, params))
 
     def close(self) -> None:
         if self._beat_conn is not None:
@@ -372,14 +386,14 @@ class Idempotent:
         retry = not isinstance(exc, Exception) or self._retryable(exc)
         try:
             if retry:
-                self._runner.one(RELEASE_SQL, {"key": self.key, "token": job.token,
-                                               "scope": self.scope})
+                self._runner.token_call(RELEASE_SQL, {"key": self.key, "token": job.token,
+                                                      "scope": self.scope})
             else:
                 self._store(error_envelope(exc), "failed")
         except KeyLostError:
             pass
         except psycopg.Error as e:
-            if not is_lost(e):
+            if not is_lost(e) and not released_before(e):
                 log.warning("could not %s key %r after %r: %s",
                             "release" if retry else "store the failure of", self.key, exc, e)
 
@@ -388,7 +402,7 @@ class Idempotent:
         job = self._job
         assert job is not None
         try:
-            self._runner.one(FINISH_SQL, {
+            self._runner.token_call(FINISH_SQL, {
                 "key": self.key, "token": job.token, "code": None, "body": Jsonb(envelope),
                 "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
                 conn=conn)
@@ -442,9 +456,17 @@ class _AsyncRunner:
         async with c.transaction():
             return await _aexec(c, sql, params)
 
+    async def token_call(self, sql: str, params: dict[str, Any],
+                         conn: Optional["psycopg.AsyncConnection[Any]"] = None
+                         ) -> Tuple[Any, ...]:
+        """See ``_SyncRunner.token_call``."""
+        if conn is not None or self.in_transaction():
+            return await self.one(sql, params, conn=conn)
+        return await acall_with_retry(lambda: self.one(sql, params))
+
     async def beat(self, sql: str, params: dict[str, Any]) -> None:
         if isinstance(self.db, AsyncConnectionPool):
-            await self.one(sql, params)
+            await acall_with_retry(lambda: self.one(sql, params))
             return
         if self._beat_conn is None:
             info = self.db.info
@@ -452,7 +474,8 @@ class _AsyncRunner:
             if info.password:
                 kwargs["password"] = info.password
             self._beat_conn = await psycopg.AsyncConnection.connect(info.dsn, **kwargs)
-        await _aexec(self._beat_conn, sql, params)
+        beat_conn = self._beat_conn
+        await acall_with_retry(lambda: _aexec(beat_conn, sql, params))
 
     async def close(self) -> None:
         if self._beat_conn is not None:
@@ -585,14 +608,14 @@ class AsyncIdempotent:
         retry = not isinstance(exc, Exception) or self._retryable(exc)
         try:
             if retry:
-                await self._runner.one(RELEASE_SQL, {"key": self.key, "token": job.token,
-                                                     "scope": self.scope})
+                await self._runner.token_call(RELEASE_SQL, {"key": self.key, "token": job.token,
+                                                            "scope": self.scope})
             else:
                 await self._store(error_envelope(exc), "failed")
         except KeyLostError:
             pass
         except psycopg.Error as e:
-            if not is_lost(e):
+            if not is_lost(e) and not released_before(e):
                 log.warning("could not %s key %r after %r: %s",
                             "release" if retry else "store the failure of", self.key, exc, e)
 
@@ -601,7 +624,7 @@ class AsyncIdempotent:
         job = self._job
         assert job is not None
         try:
-            await self._runner.one(FINISH_SQL, {
+            await self._runner.token_call(FINISH_SQL, {
                 "key": self.key, "token": job.token, "code": None, "body": Jsonb(envelope),
                 "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
                 conn=conn)
@@ -624,9 +647,10 @@ class AsyncIdempotent:
                         self.key, self.scope, sqlstate)
             job._lost_state = sqlstate
 
-    def _stop_heartbeat(self) -> None:
+    async def _stop_heartbeat(self) -> None:
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            await self._heartbeat.wait()
+            self._heartbeat = None
 
 
 # ---- the two entry points ---------------------------------------------------------
