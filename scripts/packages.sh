@@ -55,20 +55,13 @@ package_deb_name() {
 }
 
 # Check that the packaged upstream version (debian/changelog) is the
-# extension's default_version plus a patch level, so that the package never
-# installs an SQL version other than the one its version number says.
+# release's version, whose major.minor is the extension's default_version,
+# so that the package never installs an SQL version other than the one its
+# version number says: check-meta.py --tree checks every file that names
+# the version against META.json.
 package_deb_version() {
-	local src=$1 upstream control
-	upstream=$(dpkg-parsechangelog -l "$src/debian/changelog" -S Version) || return 1
-	upstream=${upstream%-*}
-	control=$(sed -n "s/^[[:space:]]*default_version[[:space:]]*=[[:space:]]*'\([^']*\)'.*/\1/p" \
-		"$src/idempotency.control")
-	echo "== debian/changelog: $upstream; idempotency.control: default_version '$control'"
-	if [[ -z $control || ${upstream%.*} != "$control" ]]; then
-		echo "-- the package's upstream version $upstream is not default_version" \
-			"'$control' with a patch level"
-		return 1
-	fi
+	local src=$1
+	"$src/scripts/check-meta.py" --tree "$src" "$src/META.json"
 }
 
 # Build the source and binary packages from <src> in <work>/build: an orig

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Tuple, TypeVar, Union
 
 import psycopg
+from psycopg.rows import tuple_row
 
 __all__ = [
     "Duration",
@@ -363,3 +364,15 @@ def envelope_body(body: Any, body_text: Optional[str] = None) -> tuple[Dict[str,
         headers.setdefault("content-type", "application/json")
         return headers, render_json({"error": body["error"]})
     return headers, b""
+
+
+async def afetch_one(conn: "psycopg.AsyncConnection[Any]", sql: str,
+                     params: Mapping[str, Any]) -> Optional[Tuple[Any, ...]]:
+    """Run one statement, unprepared (no server-side state a pooler could
+    hand to another client), and return its first row, if any."""
+    cur = conn.cursor(row_factory=tuple_row)
+    try:
+        await cur.execute(sql, params, prepare=False)
+        return await cur.fetchone()
+    finally:
+        await cur.close()

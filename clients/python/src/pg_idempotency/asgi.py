@@ -26,13 +26,13 @@ from typing import (Any, Awaitable, Callable, Collection, Dict, Iterator, List, 
                     Mapping, MutableMapping, Optional, Tuple, Union)
 
 import psycopg
-from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, RELEASE_SQL,
-                    ClaimRow, Duration, acall_with_retry, envelope_body, http_envelope,
-                    is_lost, is_transient, released_before, to_seconds, to_timedelta)
+                    ClaimRow, Duration, acall_with_retry, afetch_one, envelope_body,
+                    http_envelope, is_lost, is_transient, released_before, to_seconds,
+                    to_timedelta)
 from .cache import CachedResult, ResultCache
 from .header import parse_idempotency_key
 
@@ -238,7 +238,7 @@ class IdempotencyMiddleware:
 
         try:
             async with self.pool.connection() as conn:
-                claim = await _one(conn, HTTP_CLAIM_SQL, {
+                claim = await afetch_one(conn, HTTP_CLAIM_SQL, {
                     "key": key, "request": Jsonb(fingerprint), "scope": idem_scope,
                     "lease": self.lease, "retention": self.retention,
                     "wait": to_timedelta(0)})
@@ -376,7 +376,7 @@ class IdempotencyMiddleware:
         """A token statement on a pool connection, tried again after a transient failure."""
         async def once() -> Optional[Tuple[Any, ...]]:
             async with self.pool.connection() as conn:
-                return await _one(conn, sql, params)
+                return await afetch_one(conn, sql, params)
         return await acall_with_retry(once)
 
     async def _release(self, ids: Dict[str, Any]) -> None:
@@ -393,7 +393,7 @@ class IdempotencyMiddleware:
         that finds the replayed result itself gives the expiry to cache it with."""
         try:
             async with self.pool.connection() as conn:
-                found = await _one(conn, LOOKUP_SQL, {"key": key, "scope": idem_scope})
+                found = await afetch_one(conn, LOOKUP_SQL, {"key": key, "scope": idem_scope})
         except psycopg.Error as e:
             self.log.warning("idempotency lookup of key %r for the cache failed: %s", key, e)
             return
@@ -481,14 +481,3 @@ async def _read_body(receive: Receive) -> Optional[bytes]:
         chunks += message.get("body", b"")
         if not message.get("more_body", False):
             return bytes(chunks)
-
-
-async def _one(conn: "psycopg.AsyncConnection[Any]", sql: str,
-               params: Mapping[str, Any]) -> Optional[Tuple[Any, ...]]:
-    cur = conn.cursor(row_factory=tuple_row)
-    try:
-        await cur.execute(sql, params, prepare=False)
-        row = await cur.fetchone()
-    finally:
-        await cur.close()
-    return row

@@ -48,9 +48,9 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ._core import (CLAIM_SQL, EXTEND_SQL, FINISH_SQL, RELEASE_SQL, ClaimRow, Duration,
                     InProgressError, KeyLostError, MismatchError, StoredFailureError,
-                    acall_with_retry, call_with_retry, envelope_error, envelope_value,
-                    error_envelope, is_lost, released_before, to_seconds, to_timedelta,
-                    value_envelope)
+                    acall_with_retry, afetch_one, call_with_retry, envelope_error,
+                    envelope_value, error_envelope, is_lost, released_before, to_seconds,
+                    to_timedelta, value_envelope)
 
 __all__ = ["Job", "AsyncJob", "Idempotent", "AsyncIdempotent", "idempotent",
            "idempotent_job", "current_job", "Retryable"]
@@ -485,12 +485,7 @@ class _AsyncRunner:
 
 async def _aexec(conn: "psycopg.AsyncConnection[Any]", sql: str,
                  params: dict[str, Any]) -> Tuple[Any, ...]:
-    cur = conn.cursor(row_factory=tuple_row)
-    try:
-        await cur.execute(sql, params, prepare=False)
-        row = await cur.fetchone()
-    finally:
-        await cur.close()
+    row = await afetch_one(conn, sql, params)
     assert row is not None
     return row
 
