@@ -8,7 +8,7 @@
 \set VERBOSITY sqlstate
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 CREATE TEMP VIEW bad_state AS
 SELECT count(*) AS rows, md5(coalesce(string_agg(k::text, '|' ORDER BY k.key), '')) AS sum
   FROM idempotency.keys k WHERE k.scope = 'bad';

@@ -11,7 +11,7 @@ SELECT getdatabaseencoding() <> 'UTF8' AS skip_test \gset
 \set VERBOSITY sqlstate
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 
 -- é precomposed (U+00E9) and decomposed (e + U+0301) are different keys
 INSERT INTO r SELECT 'nfc', * FROM idempotency.idem_claim(U&'caf\00E9', scope => 'unicode')

@@ -19,7 +19,7 @@ CREATE EXTENSION IF NOT EXISTS dblink;
 RESET client_min_messages;
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 
 -- live: pending, live lease          stale: pending, lease ends in 1 s
 -- gone: finished, kept 1 s            done: finished, kept 1 day

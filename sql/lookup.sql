@@ -6,7 +6,7 @@
 \set VERBOSITY sqlstate
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 
 -- absent: no row, and looking did not create one
 SELECT * FROM idempotency.idem_lookup('l1', 'lookup');

@@ -9,7 +9,7 @@
 \set VERBOSITY sqlstate
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 
 -- p1: succeeded, kept 1 s;  p2: failed, kept 1 s
 -- p3: pending, lease 1 s, retention 1 s (never finished)

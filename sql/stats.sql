@@ -21,7 +21,7 @@ DROP DATABASE regress_idem_stats_fresh WITH (FORCE);
 -- (temporary objects after the \c above: a reconnect drops them)
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 CREATE TEMP VIEW counters AS
 SELECT claims, takeovers, replays, in_progress, mismatches, finishes, releases
   FROM idempotency.stats WHERE database = current_database();

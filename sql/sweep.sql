@@ -11,7 +11,7 @@
 \set VERBOSITY sqlstate
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 
 -- batch_size must be positive (22023); NULL means the GUC
 SELECT * FROM idempotency.idem_sweep(0);

@@ -6,7 +6,7 @@
 \set VERBOSITY sqlstate
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 
 INSERT INTO r SELECT 'a1', * FROM idempotency.idem_claim('t1', '{"job": 1}', 'takeover', lease => '1 second')
 RETURNING step, outcome, token IS NOT NULL AS has_token, attempt;

@@ -13,7 +13,7 @@ GRANT USAGE ON SCHEMA idempotency
    TO regress_tenant_a, regress_tenant_b, regress_tenant_free, regress_tenant_a_member;
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 GRANT ALL ON r TO PUBLIC;
 GRANT ALL ON SEQUENCE r_n_seq TO PUBLIC;
 CREATE TEMP VIEW tenant_state AS

@@ -7,7 +7,7 @@
 CREATE TABLE txn_orders (id int PRIMARY KEY, note text);
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 
 --
 -- Autocommit: the claim is committed at once; finish comes later, from
@@ -21,7 +21,7 @@ SELECT status, attempt FROM idempotency.keys WHERE scope = 'txn' AND key = 'auto
 \set VERBOSITY sqlstate
 CREATE TEMP TABLE r (step text PRIMARY KEY, outcome text, token bigint,
 	attempt int, status text, response_code int, response_body jsonb,
-	retry_after int, n serial);
+	retry_after int, phase text, phase_data jsonb, n serial);
 INSERT INTO r SELECT 'a1-other-session', * FROM idempotency.idem_claim('auto', '{"order": 1}', 'txn')
 RETURNING step, outcome, token, retry_after BETWEEN 1 AND 30 AS retry_after_in_lease;
 INSERT INTO txn_orders VALUES (1, 'side effect of auto');

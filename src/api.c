@@ -2,7 +2,8 @@
  *
  * api.c
  *	  The SQL-callable functions: idem_claim, idem_finish, idem_extend,
- *	  idem_release, idem_lookup, idem_sweep.
+ *	  idem_release, idem_checkpoint, idem_lookup, idem_sweep, and the
+ *	  batches idem_claim_many and idem_finish_many.
  *
  * Owns argument checking (every bad input is an ERROR with its own
  * SQLSTATE, raised before anything is read or written), the outcome rules,
@@ -34,10 +35,13 @@
 #include "storage/latch.h"
 #include "storage/lmgr.h"
 #include "tcop/utility.h"
+#include "catalog/pg_type.h"
+#include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/datum.h"
 #include "utils/memutils.h"
 #include "utils/jsonb.h"
+#include "utils/lsyscache.h"
 #include "utils/timestamp.h"
 #include "utils/wait_event.h"
 
@@ -47,6 +51,9 @@ PG_FUNCTION_INFO_V1(idem_claim);
 PG_FUNCTION_INFO_V1(idem_finish);
 PG_FUNCTION_INFO_V1(idem_extend);
 PG_FUNCTION_INFO_V1(idem_release);
+PG_FUNCTION_INFO_V1(idem_checkpoint);
+PG_FUNCTION_INFO_V1(idem_claim_many);
+PG_FUNCTION_INFO_V1(idem_finish_many);
 PG_FUNCTION_INFO_V1(idem_lookup);
 PG_FUNCTION_INFO_V1(idem_sweep);
 
@@ -63,9 +70,12 @@ PG_FUNCTION_INFO_V1(idem_sweep);
 /* The longest wait: a hundred years is as good as forever. */
 #define WAIT_MAX_US				(INT64CONST(100) * 365 * USECS_PER_DAY)
 
-/* Columns of idem_claim's and idem_lookup's result rows. */
-#define CLAIM_RESULT_COLS		7
-#define LOOKUP_RESULT_COLS		7
+/*
+ * Columns of idem_claim's and idem_lookup's result rows (1.4; older
+ * installations declare the first 7 of each, and get those).
+ */
+#define CLAIM_RESULT_COLS		9
+#define LOOKUP_RESULT_COLS		8
 
 typedef enum ClaimOutcome
 {
@@ -103,6 +113,7 @@ typedef struct ClaimArgs
 	uint8		fingerprint[IDEM_FINGERPRINT_LEN];
 	Interval   *lease;			/* NULL: idempotency.lease */
 	Interval   *retention;		/* NULL: idempotency.retention */
+	bool		session_bound;	/* tie the claim to this session */
 } ClaimArgs;
 
 /* What a claim answers. */
@@ -116,6 +127,8 @@ typedef struct ClaimResult
 	int32		response_code;
 	Datum		response_body;
 	int32		retry_after;
+	Datum		phase;			/* a takeover's checkpoint to resume from */
+	Datum		phase_data;
 	/* for the wait loop */
 	bool		held_by_me;		/* our own open transaction holds the key */
 	bool		busy;			/* another transaction is changing the key */
@@ -146,19 +159,14 @@ arg_not_null(FunctionCallInfo fcinfo, int argno, const char *name)
 }
 
 /*
- * A key or scope argument: not NULL, at most 255 characters, and (for a
- * key) not empty.
+ * A key, scope or phase: at most 255 characters, and (unless allow_empty)
+ * not empty.
  */
-static text *
-arg_name(FunctionCallInfo fcinfo, int argno, const char *name,
-		 bool allow_empty)
+static void
+check_name(text *t, const char *name, bool allow_empty)
 {
-	text	   *t;
-	int			bytes;
+	int			bytes = VARSIZE_ANY_EXHDR(t);
 
-	arg_not_null(fcinfo, argno, name);
-	t = PG_GETARG_TEXT_PP(argno);
-	bytes = VARSIZE_ANY_EXHDR(t);
 	if (bytes == 0 && !allow_empty)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
@@ -175,6 +183,18 @@ arg_name(FunctionCallInfo fcinfo, int argno, const char *name,
 					 errdetail("It has %d characters; the limit is %d.",
 							   chars, IDEM_MAX_KEY_CHARS)));
 	}
+}
+
+/* A key or scope argument: not NULL, and as check_name says. */
+static text *
+arg_name(FunctionCallInfo fcinfo, int argno, const char *name,
+		 bool allow_empty)
+{
+	text	   *t;
+
+	arg_not_null(fcinfo, argno, name);
+	t = PG_GETARG_TEXT_PP(argno);
+	check_name(t, name, allow_empty);
 	return t;
 }
 
@@ -292,21 +312,27 @@ arg_status(FunctionCallInfo fcinfo, int argno)
 	pg_unreachable();
 }
 
-/* The response_body argument: NULL or a jsonb within the size limit. */
-static Datum
-arg_response_body(FunctionCallInfo fcinfo, int argno)
+/* A stored jsonb ("name"): within idempotency.max_response_size. */
+static void
+check_body_size(Datum body, const char *name)
 {
-	Size		bytes;
+	Size		bytes = toast_raw_datum_size(body) - VARHDRSZ;
 
-	if (PG_ARGISNULL(argno))
-		return (Datum) 0;
-	bytes = toast_raw_datum_size(PG_GETARG_DATUM(argno)) - VARHDRSZ;
 	if (bytes > (Size) idem_max_response_size)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
-				 errmsg("response_body is too large"),
+				 errmsg("%s is too large", name),
 				 errdetail("It has %zu bytes; idempotency.max_response_size is %d bytes.",
 						   bytes, idem_max_response_size)));
+}
+
+/* A jsonb argument that is stored: NULL (0) or within the size limit. */
+static Datum
+arg_body(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	if (PG_ARGISNULL(argno))
+		return (Datum) 0;
+	check_body_size(PG_GETARG_DATUM(argno), name);
 	return PG_GETARG_DATUM(argno);
 }
 
@@ -417,7 +443,13 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 		res->response_body = row->response_body;
 		return ACTION_ANSWER;
 	}
-	if (row->has_token && row->lease_until > now)
+	/*
+	 * A live lease, and for a session-bound claim a live session too: once
+	 * the owner's session ended the key is reclaimable at once.
+	 */
+	if (row->has_token && row->lease_until > now &&
+		(!row->has_owner_session || row->mine ||
+		 idem_session_alive(row->owner_session)))
 	{
 		res->outcome = OUTCOME_IN_PROGRESS;
 		res->held_by_me = row->mine;
@@ -472,8 +504,10 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 		Interval   *lease;
 		Interval   *retention;
 		int64		token;
+		int64		owner_session;
 
 		idem_row_check_snapshot(&row);
+		owner_session = args->session_bound ? idem_session_bind() : 0;
 
 		lease = args->lease ? args->lease : interval_from_ms(idem_lease_ms);
 		retention = args->retention ? args->retention :
@@ -485,18 +519,25 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 		if (!row.found)
 			idem_write_insert_claim(args->scope, args->key, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
-									now, lease_until, expires_at, retention);
+									now, lease_until, expires_at, retention,
+									owner_session);
 		else
 			idem_write_update_claim(&row, token,
 									action == ACTION_FRESH ? 1 : row.attempt + 1,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									action == ACTION_FRESH ? now : row.created_at,
-									lease_until, expires_at, retention);
+									lease_until, expires_at, retention,
+									owner_session);
 		idem_key_wrote(args->hash);
 
 		res->outcome = OUTCOME_CLAIMED;
 		res->token = token;
 		res->attempt = action == ACTION_FRESH ? 1 : row.attempt + 1;
+		if (action == ACTION_TAKEOVER)
+		{
+			res->phase = row.phase;
+			res->phase_data = row.phase_data;
+		}
 	}
 	idem_key_unlock(args->hash);
 }
@@ -569,6 +610,10 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 
 	if (res->response_body != (Datum) 0)
 		res->response_body = datumCopy(res->response_body, false, -1);
+	if (res->phase != (Datum) 0)
+		res->phase = datumCopy(res->phase, false, -1);
+	if (res->phase_data != (Datum) 0)
+		res->phase_data = datumCopy(res->phase_data, false, -1);
 	MemoryContextDelete(round_cxt);
 
 	/* Retry-After is measured at the moment we answer. */
@@ -601,11 +646,66 @@ claim_count(const ClaimResult *res)
 }
 
 /*
- * idem_claim(key, request, scope, lease, retention, wait)
+ * The columns of a claim's answer, from outcome to phase_data (the
+ * CLAIM_RESULT_COLS of claim_result), into values/nulls.
+ */
+static void
+claim_result_values(const ClaimResult *res, Datum *values, bool *nulls)
+{
+	for (int i = 0; i < CLAIM_RESULT_COLS; i++)
+	{
+		values[i] = (Datum) 0;
+		nulls[i] = true;
+	}
+	values[0] = CStringGetTextDatum(outcome_name(res->outcome));
+	nulls[0] = false;
+	switch (res->outcome)
+	{
+		case OUTCOME_CLAIMED:
+			values[1] = Int64GetDatum(res->token);
+			values[2] = Int32GetDatum(res->attempt);
+			nulls[1] = nulls[2] = false;
+			if (res->phase != (Datum) 0)
+			{
+				values[7] = res->phase;
+				nulls[7] = false;
+			}
+			if (res->phase_data != (Datum) 0)
+			{
+				values[8] = PointerGetDatum(PG_DETOAST_DATUM(res->phase_data));
+				nulls[8] = false;
+			}
+			break;
+		case OUTCOME_REPLAY:
+			values[3] = CStringGetTextDatum(idem_status_names[res->status]);
+			nulls[3] = false;
+			if (res->has_response_code)
+			{
+				values[4] = Int32GetDatum(res->response_code);
+				nulls[4] = false;
+			}
+			if (res->response_body != (Datum) 0)
+			{
+				values[5] = PointerGetDatum(PG_DETOAST_DATUM(res->response_body));
+				nulls[5] = false;
+			}
+			break;
+		case OUTCOME_IN_PROGRESS:
+			values[6] = Int32GetDatum(res->retry_after);
+			nulls[6] = false;
+			break;
+		case OUTCOME_MISMATCH:
+			break;
+	}
+}
+
+/*
+ * idem_claim(key, request, scope, lease, retention, wait, session_bound)
  *	  RETURNS SETOF idempotency.claim_result (outcome, token, attempt,
- *	  status, response_code, response_body, retry_after): always one row.
- *	  A 1.0 installation declares the same columns as RETURNS TABLE; both
- *	  reach us as the executor's expected row type.
+ *	  status, response_code, response_body, retry_after, phase,
+ *	  phase_data): always one row.  Installations of 1.0 to 1.3 declare
+ *	  the first six arguments and the first seven columns (1.0 as RETURNS
+ *	  TABLE); the row is built for the row type the executor expects.
  */
 Datum
 idem_claim(PG_FUNCTION_ARGS)
@@ -617,7 +717,6 @@ idem_claim(PG_FUNCTION_ARGS)
 	Datum		values[CLAIM_RESULT_COLS];
 	bool		nulls[CLAIM_RESULT_COLS];
 
-	memset(nulls, true, sizeof(nulls));
 	args.key = arg_name(fcinfo, 0, "key", false);
 	args.scope = arg_name(fcinfo, 2, "scope", true);
 	args.lease = arg_interval(fcinfo, 3);
@@ -625,6 +724,12 @@ idem_claim(PG_FUNCTION_ARGS)
 	check_positive(args.lease, "lease");
 	check_positive(args.retention, "retention");
 	wait_us = arg_wait(fcinfo, 5);
+	args.session_bound = false;
+	if (PG_NARGS() > 6)
+	{
+		arg_not_null(fcinfo, 6, "session_bound");
+		args.session_bound = PG_GETARG_BOOL(6);
+	}
 	PreventCommandDuringRecovery("idem_claim()");
 	idem_tenant_check(args.scope);
 
@@ -637,37 +742,153 @@ idem_claim(PG_FUNCTION_ARGS)
 	claim_with_wait(&args, wait_us, &res);
 	claim_count(&res);
 
-	values[0] = CStringGetTextDatum(outcome_name(res.outcome));
-	nulls[0] = false;
-	switch (res.outcome)
-	{
-		case OUTCOME_CLAIMED:
-			values[1] = Int64GetDatum(res.token);
-			values[2] = Int32GetDatum(res.attempt);
-			nulls[1] = nulls[2] = false;
-			break;
-		case OUTCOME_REPLAY:
-			values[3] = CStringGetTextDatum(idem_status_names[res.status]);
-			nulls[3] = false;
-			if (res.has_response_code)
-			{
-				values[4] = Int32GetDatum(res.response_code);
-				nulls[4] = false;
-			}
-			if (res.response_body != (Datum) 0)
-			{
-				values[5] = PointerGetDatum(PG_DETOAST_DATUM(res.response_body));
-				nulls[5] = false;
-			}
-			break;
-		case OUTCOME_IN_PROGRESS:
-			values[6] = Int32GetDatum(res.retry_after);
-			nulls[6] = false;
-			break;
-		case OUTCOME_MISMATCH:
-			break;
-	}
+	claim_result_values(&res, values, nulls);
 	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	PG_RETURN_VOID();
+}
+
+/* ---------------------------------------------------------------------
+ * Batch arguments
+ * ---------------------------------------------------------------------
+ */
+
+/* A batch's array argument, taken apart. */
+typedef struct BatchArray
+{
+	bool		given;			/* false: the argument is NULL */
+	int			n;
+	Datum	   *elems;
+	bool	   *nulls;
+} BatchArray;
+
+/*
+ * Take apart the array argument "argno" (named "name") of element type
+ * "elemtype".  NULL raises 22004 when "required", else gives given =
+ * false.  An array of more than one dimension raises 22023; an empty one
+ * has no elements.
+ */
+static void
+arg_array(FunctionCallInfo fcinfo, int argno, const char *name,
+		  bool required, Oid elemtype, BatchArray *out)
+{
+	ArrayType  *arr;
+	int16		typlen;
+	bool		typbyval;
+	char		typalign;
+
+	memset(out, 0, sizeof(BatchArray));
+	if (PG_ARGISNULL(argno))
+	{
+		if (required)
+			arg_not_null(fcinfo, argno, name);
+		return;
+	}
+	arr = PG_GETARG_ARRAYTYPE_P(argno);
+	if (ARR_NDIM(arr) > 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be a one-dimensional array", name)));
+	get_typlenbyvalalign(elemtype, &typlen, &typbyval, &typalign);
+	deconstruct_array(arr, elemtype, typlen, typbyval, typalign,
+					  &out->elems, &out->nulls, &out->n);
+	out->given = true;
+}
+
+/* Raise 22023 unless the optional array "a" ("name") has "n" elements. */
+static void
+check_batch_length(const BatchArray *a, const char *name, int n)
+{
+	if (a->given && a->n != n)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s has %d elements, keys has %d", name, a->n, n),
+				 errhint("Give one element per key, in the order of keys.")));
+}
+
+/* The keys of a batch: no NULL element, each a valid key. */
+static void
+check_batch_keys(const BatchArray *keys)
+{
+	for (int i = 0; i < keys->n; i++)
+	{
+		char	   *name = psprintf("keys[%d]", i + 1);
+
+		if (keys->nulls[i])
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("%s must not be null", name)));
+		keys->elems[i] = PointerGetDatum(PG_DETOAST_DATUM_PACKED(keys->elems[i]));
+		check_name((text *) DatumGetPointer(keys->elems[i]), name, false);
+		pfree(name);
+	}
+}
+
+/*
+ * idem_claim_many(keys, requests, scope, lease, retention, session_bound)
+ *	  RETURNS TABLE (ord, key, outcome, token, attempt, status,
+ *	  response_code, response_body, retry_after, phase, phase_data)
+ *
+ * One row per key, in array order, each answered as idem_claim (without
+ * wait) would answer it if the keys were claimed one after another in this
+ * transaction: a key repeated in the batch answers in_progress (it is this
+ * transaction's own claim).  Every argument is checked before any key is
+ * claimed.  Each key's lock is released before the next key is claimed, so
+ * no batch holds more than one and none waits for another: two batches
+ * that claim the same keys in opposite orders cannot deadlock.
+ */
+Datum
+idem_claim_many(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	BatchArray	keys;
+	BatchArray	requests;
+	ClaimArgs	args;
+	MemoryContext outer = CurrentMemoryContext;
+	MemoryContext elem_cxt;
+
+	arg_array(fcinfo, 0, "keys", true, TEXTOID, &keys);
+	arg_array(fcinfo, 1, "requests", false, JSONBOID, &requests);
+	check_batch_length(&requests, "requests", keys.n);
+	check_batch_keys(&keys);
+	args.scope = arg_name(fcinfo, 2, "scope", true);
+	args.lease = arg_interval(fcinfo, 3);
+	args.retention = arg_interval(fcinfo, 4);
+	check_positive(args.lease, "lease");
+	check_positive(args.retention, "retention");
+	arg_not_null(fcinfo, 5, "session_bound");
+	args.session_bound = PG_GETARG_BOOL(5);
+	PreventCommandDuringRecovery("idem_claim_many()");
+	idem_tenant_check(args.scope);
+
+	result_init(fcinfo);
+	elem_cxt = AllocSetContextCreate(outer, "idempotency batch element",
+									 ALLOCSET_SMALL_SIZES);
+	for (int i = 0; i < keys.n; i++)
+	{
+		ClaimResult res;
+		Datum		values[CLAIM_RESULT_COLS + 2];
+		bool		nulls[CLAIM_RESULT_COLS + 2];
+
+		CHECK_FOR_INTERRUPTS();
+		MemoryContextReset(elem_cxt);
+		MemoryContextSwitchTo(elem_cxt);
+		args.key = (text *) DatumGetPointer(keys.elems[i]);
+		args.has_fingerprint = requests.given && !requests.nulls[i];
+		if (args.has_fingerprint)
+			idem_fingerprint(requests.elems[i], args.fingerprint);
+		args.hash = idem_key_hash(args.scope, args.key);
+		claim_once(&args, &res);
+		claim_count(&res);
+
+		values[0] = Int32GetDatum(i + 1);
+		values[1] = keys.elems[i];
+		nulls[0] = nulls[1] = false;
+		claim_result_values(&res, values + 2, nulls + 2);
+		MemoryContextSwitchTo(outer);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
+							 nulls);
+	}
+	MemoryContextDelete(elem_cxt);
 	PG_RETURN_VOID();
 }
 
@@ -680,12 +901,15 @@ typedef enum TokenCallKind
 {
 	CALL_FINISH,
 	CALL_EXTEND,
-	CALL_RELEASE
+	CALL_RELEASE,
+	CALL_CHECKPOINT
 } TokenCallKind;
 
-static const char *const call_names[] = {"finish", "extend", "release"};
+static const char *const call_names[] = {
+	"finish", "extend", "release", "checkpoint"
+};
 static const char *const call_functions[] = {
-	"idem_finish()", "idem_extend()", "idem_release()"
+	"idem_finish()", "idem_extend()", "idem_release()", "idem_checkpoint()"
 };
 
 /* One token-holder's call: its key and token, then the key as probed. */
@@ -697,6 +921,7 @@ typedef struct TokenCall
 	int64		token;
 	uint64		hash;
 	TimestampTz now;			/* the wall clock the call is judged by */
+	int			batch_ord;	/* position in a batch, from 1; 0: none */
 	IdemRow		row;
 } TokenCall;
 
@@ -709,6 +934,7 @@ token_call_args(FunctionCallInfo fcinfo, TokenCallKind kind, int key_arg,
 				int scope_arg, TokenCall *call)
 {
 	call->kind = kind;
+	call->batch_ord = 0;
 	call->key = arg_name(fcinfo, key_arg, "key", false);
 	call->scope = arg_name(fcinfo, scope_arg, "scope", true);
 	arg_not_null(fcinfo, 1, "token");
@@ -813,6 +1039,31 @@ token_call_end(const TokenCall *call)
 }
 
 /*
+ * Finish the key of "call" (arguments checked): store the result unless
+ * the key was finished with this same token already.  Returns the key's
+ * expiry.
+ */
+static TimestampTz
+finish_key(TokenCall *call, IdemStatus status, bool has_code, int32 code,
+		   Datum body, Interval *retention)
+{
+	TimestampTz expires_at;
+
+	if (!token_call_begin(call))
+	{
+		idem_key_unlock(call->hash);
+		return call->row.expires_at;
+	}
+	expires_at = add_interval(call->now,
+							  retention ? retention : &call->row.retention);
+	idem_write_finish(&call->row, status, has_code, code, body, call->now,
+					  expires_at);
+	token_call_end(call);
+	idem_stats_count(IDEM_STAT_FINISHES, 1);
+	return expires_at;
+}
+
+/*
  * idem_finish(key, token, response_code, response_body, scope, status,
  *			   retention) RETURNS timestamptz
  */
@@ -823,28 +1074,111 @@ idem_finish(PG_FUNCTION_ARGS)
 	Datum		body;
 	IdemStatus	status;
 	Interval   *retention;
-	TimestampTz expires_at;
 
 	token_call_args(fcinfo, CALL_FINISH, 0, 4, &call);
-	body = arg_response_body(fcinfo, 3);
+	body = arg_body(fcinfo, 3, "response_body");
 	status = arg_status(fcinfo, 5);
 	retention = arg_interval(fcinfo, 6);
 	check_positive(retention, "retention");
 
-	if (!token_call_begin(&call))
-	{
-		idem_key_unlock(call.hash);
-		PG_RETURN_TIMESTAMPTZ(call.row.expires_at);
-	}
-	expires_at = add_interval(call.now,
-							  retention ? retention : &call.row.retention);
-	idem_write_finish(&call.row, status, !PG_ARGISNULL(2),
-					  PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2), body,
-					  call.now, expires_at);
-	token_call_end(&call);
-	idem_stats_count(IDEM_STAT_FINISHES, 1);
+	PG_RETURN_TIMESTAMPTZ(finish_key(&call, status, !PG_ARGISNULL(2),
+									 PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2),
+									 body, retention));
+}
 
-	PG_RETURN_TIMESTAMPTZ(expires_at);
+/* Name the batch element an error is about (an error context callback). */
+static void
+finish_many_context(void *arg)
+{
+	const TokenCall *call = (const TokenCall *) arg;
+
+	errcontext("idem_finish_many element %d, key %s",
+			   call->batch_ord, key_display(call->scope, call->key));
+}
+
+/*
+ * idem_finish_many(keys, tokens, response_codes, response_bodies, scope,
+ *					status, retention)
+ *	  RETURNS TABLE (ord, key, expires_at)
+ *
+ * All or nothing: each key is finished as idem_finish would, in array
+ * order, and the first element that idem_finish would refuse raises its
+ * error, with the element's position and key in the error's context.  The
+ * error aborts the statement, which undoes the elements finished before
+ * it.  Every argument is checked before any key is touched.
+ */
+Datum
+idem_finish_many(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	BatchArray	keys;
+	BatchArray	tokens;
+	BatchArray	codes;
+	BatchArray	bodies;
+	text	   *scope;
+	IdemStatus	status;
+	Interval   *retention;
+	ErrorContextCallback errcb;
+	TokenCall	call;
+
+	arg_array(fcinfo, 0, "keys", true, TEXTOID, &keys);
+	arg_array(fcinfo, 1, "tokens", true, INT8OID, &tokens);
+	arg_array(fcinfo, 2, "response_codes", false, INT4OID, &codes);
+	arg_array(fcinfo, 3, "response_bodies", false, JSONBOID, &bodies);
+	check_batch_length(&tokens, "tokens", keys.n);
+	check_batch_length(&codes, "response_codes", keys.n);
+	check_batch_length(&bodies, "response_bodies", keys.n);
+	check_batch_keys(&keys);
+	for (int i = 0; i < keys.n; i++)
+	{
+		if (tokens.nulls[i])
+			ereport(ERROR,
+					(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+					 errmsg("tokens[%d] must not be null", i + 1)));
+		if (bodies.given && !bodies.nulls[i])
+		{
+			char	   *name = psprintf("response_bodies[%d]", i + 1);
+
+			check_body_size(bodies.elems[i], name);
+			pfree(name);
+		}
+	}
+	scope = arg_name(fcinfo, 4, "scope", true);
+	status = arg_status(fcinfo, 5);
+	retention = arg_interval(fcinfo, 6);
+	check_positive(retention, "retention");
+
+	result_init(fcinfo);
+	errcb.callback = finish_many_context;
+	errcb.arg = &call;
+	errcb.previous = error_context_stack;
+	error_context_stack = &errcb;
+	for (int i = 0; i < keys.n; i++)
+	{
+		Datum		values[3];
+		bool		nulls[3] = {0};
+		bool		has_code = codes.given && !codes.nulls[i];
+
+		CHECK_FOR_INTERRUPTS();
+		memset(&call, 0, sizeof(TokenCall));
+		call.kind = CALL_FINISH;
+		call.key = (text *) DatumGetPointer(keys.elems[i]);
+		call.scope = scope;
+		call.token = DatumGetInt64(tokens.elems[i]);
+		call.batch_ord = i + 1;
+		values[0] = Int32GetDatum(i + 1);
+		values[1] = keys.elems[i];
+		values[2] = TimestampTzGetDatum(
+			finish_key(&call, status, has_code,
+					   has_code ? DatumGetInt32(codes.elems[i]) : 0,
+					   (bodies.given && !bodies.nulls[i]) ?
+					   bodies.elems[i] : (Datum) 0,
+					   retention));
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
+							 nulls);
+	}
+	error_context_stack = errcb.previous;
+	PG_RETURN_VOID();
 }
 
 /* idem_extend(key, token, lease, scope) RETURNS timestamptz */
@@ -886,6 +1220,30 @@ idem_release(PG_FUNCTION_ARGS)
 	PG_RETURN_VOID();
 }
 
+/*
+ * idem_checkpoint(key, token, phase, data, scope) RETURNS void
+ *	  Record that the current attempt completed the step "phase", with what
+ *	  a successor needs to resume from it; replaces an earlier checkpoint.
+ */
+Datum
+idem_checkpoint(PG_FUNCTION_ARGS)
+{
+	TokenCall	call;
+	text	   *phase;
+	Datum		data;
+
+	token_call_args(fcinfo, CALL_CHECKPOINT, 0, 4, &call);
+	phase = arg_name(fcinfo, 2, "phase", false);
+	data = arg_body(fcinfo, 3, "data");
+
+	(void) token_call_begin(&call);
+	idem_write_checkpoint(&call.row, PointerGetDatum(phase), data);
+	token_call_end(&call);
+	idem_stats_count(IDEM_STAT_CHECKPOINTS, 1);
+
+	PG_RETURN_VOID();
+}
+
 /* ---------------------------------------------------------------------
  * idem_lookup, idem_sweep
  * ---------------------------------------------------------------------
@@ -893,8 +1251,9 @@ idem_release(PG_FUNCTION_ARGS)
 
 /*
  * idem_lookup(key, scope) RETURNS TABLE (status, attempt, response_code,
- *		response_body, created_at, finished_at, expires_at)
- * Reads through the caller's snapshot; works on a hot standby.
+ *		response_body, created_at, finished_at, expires_at, phase)
+ * Reads through the caller's snapshot; works on a hot standby.  Before 1.4
+ * the row has no phase column (the executor's row type says).
  */
 Datum
 idem_lookup(PG_FUNCTION_ARGS)
@@ -923,6 +1282,8 @@ idem_lookup(PG_FUNCTION_ARGS)
 	values[5] = TimestampTzGetDatum(row.finished_at);
 	nulls[5] = !row.has_finished_at;
 	values[6] = TimestampTzGetDatum(row.expires_at);
+	values[7] = row.phase;
+	nulls[7] = (row.phase == (Datum) 0);
 	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	PG_RETURN_VOID();
 }
@@ -951,7 +1312,7 @@ idem_sweep(PG_FUNCTION_ARGS)
 
 	result_init(fcinfo);
 	start = GetCurrentTimestamp();
-	(void) idem_sweep_batch_run(batch, 0, &expired, &reset);
+	(void) idem_sweep_batch_run(batch, 0, NULL, &expired, &reset);
 	idem_stats_sweep_done(GetCurrentTimestamp(),
 						  (double) (GetCurrentTimestamp() - start) / 1000.0);
 

@@ -49,6 +49,9 @@ const KeysColumnDef idem_keys_columns[NUM_COLS] = {
 	[COL_EXPIRES_AT - 1] = {"expires_at", TIMESTAMPTZOID},
 	[COL_RETENTION - 1] = {"retention", INTERVALOID},
 	[COL_SWEEP_AT - 1] = {"sweep_at", TIMESTAMPTZOID},
+	[COL_PHASE - 1] = {"phase", TEXTOID},
+	[COL_PHASE_DATA - 1] = {"phase_data", JSONBOID},
+	[COL_OWNER_SESSION - 1] = {"owner_session", INT8OID},
 };
 
 /* The cache, valid until an invalidation of one of its relations. */
@@ -61,7 +64,8 @@ static void
 catalog_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == cached.keys || relid == cached.pkey ||
-		relid == cached.sweep_idx || relid == cached.token_seq)
+		relid == cached.sweep_idx || relid == cached.session_idx ||
+		relid == cached.token_seq)
 		cached_valid = false;
 }
 
@@ -116,30 +120,37 @@ catalog_refuse_not_installed(void)
 			 errhint("Run CREATE EXTENSION idempotency.")));
 }
 
-/* The columns the store reads and writes by number, with their types. */
-static void
+/*
+ * The columns the store reads and writes by number, with their types: those
+ * of 1.4, or the first NUM_COLS_1_0 of them (an installation not updated
+ * yet).  Returns how many the table has.
+ */
+static int
 catalog_check_columns(Relation heap)
 {
 	TupleDesc	desc = RelationGetDescr(heap);
 
-	if (desc->natts != NUM_COLS)
+	if (desc->natts != NUM_COLS && desc->natts != NUM_COLS_1_0)
 		idem_catalog_refuse_replaced("table \"idempotency.keys\"");
-	for (int i = 0; i < NUM_COLS; i++)
+	for (int i = 0; i < desc->natts; i++)
 		if (TupleDescAttr(desc, i)->atttypid != idem_keys_columns[i].type ||
 			TupleDescAttr(desc, i)->attisdropped ||
 			strcmp(NameStr(TupleDescAttr(desc, i)->attname),
 				   idem_keys_columns[i].name) != 0)
 			idem_catalog_refuse_replaced("table \"idempotency.keys\"");
+	return desc->natts;
 }
 
 /*
  * Refuse an index that is not the btree on "ncols" columns of the table
  * "keys" that the store scans directly (indexes are not extension members:
- * they belong to their table, so check what they index).
+ * they belong to their table, so check what they index).  "partial" says
+ * whether it has a predicate; readers of a partial index check each row
+ * they get from it anyway.
  */
 static void
 catalog_check_index(Oid indexid, Oid keys, int ncols, AttrNumber col1,
-					AttrNumber col2)
+					AttrNumber col2, bool partial)
 {
 	Relation	index = index_open(indexid, AccessShareLock);
 	Form_pg_index form = index->rd_index;
@@ -151,7 +162,7 @@ catalog_check_index(Oid indexid, Oid keys, int ncols, AttrNumber col1,
 		form->indkey.values[0] == col1 &&
 		(ncols < 2 || form->indkey.values[1] == col2) &&
 		heap_attisnull(index->rd_indextuple, Anum_pg_index_indexprs, NULL) &&
-		heap_attisnull(index->rd_indextuple, Anum_pg_index_indpred, NULL);
+		heap_attisnull(index->rd_indextuple, Anum_pg_index_indpred, NULL) != partial;
 	index_close(index, NoLock);
 	if (!ok)
 		ereport(ERROR,
@@ -248,11 +259,21 @@ idem_catalog(void)
 		idem_catalog_check_member(found.keys);
 		idem_catalog_check_member(found.token_seq);
 		heap = table_open(found.keys, AccessShareLock);
-		catalog_check_columns(heap);
+		found.ncols = catalog_check_columns(heap);
 		found.owner = heap->rd_rel->relowner;
 		table_close(heap, NoLock);
-		catalog_check_index(found.pkey, found.keys, 2, COL_SCOPE, COL_KEY);
-		catalog_check_index(found.sweep_idx, found.keys, 1, COL_SWEEP_AT, 0);
+		catalog_check_index(found.pkey, found.keys, 2, COL_SCOPE, COL_KEY,
+							false);
+		catalog_check_index(found.sweep_idx, found.keys, 1, COL_SWEEP_AT, 0,
+							false);
+		if (found.ncols >= COL_OWNER_SESSION)
+		{
+			found.session_idx = idem_catalog_lock_relation("keys_owner_session_idx");
+			if (!OidIsValid(found.session_idx))
+				idem_catalog_refuse_missing("index \"keys_owner_session_idx\"");
+			catalog_check_index(found.session_idx, found.keys, 1,
+								COL_OWNER_SESSION, 0, true);
+		}
 		if (inval_count == SharedInvalidMessageCounter)
 			break;
 	}

@@ -52,6 +52,16 @@ typedef bool IdemUpdateIndexes;
 #endif
 
 /*
+ * 17: LockHeldByMe takes a third argument, whether a stronger mode counts;
+ * before, only the exact mode did, which is what the exact test here asks.
+ */
+#if PG_VERSION_NUM >= 170000
+#define idem_lock_held_by_me(tag, mode)	LockHeldByMe((tag), (mode), false)
+#else
+#define idem_lock_held_by_me(tag, mode)	LockHeldByMe((tag), (mode))
+#endif
+
+/*
  * 18: pg_noreturn, written before a declaration, replaces
  * pg_attribute_noreturn(), written after it.  GCC and clang accept the old
  * attribute before the declaration too, so IDEM_NORETURN goes first on

@@ -180,8 +180,11 @@ idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
 
 	ResetPerTupleExprContext(direct->estate);
 	ExecClearTuple(slot);
-	memcpy(slot->tts_values, values, sizeof(Datum) * NUM_COLS);
-	memcpy(slot->tts_isnull, nulls, sizeof(bool) * NUM_COLS);
+	/* the table's columns: NUM_COLS, or fewer before an update (store.h) */
+	memcpy(slot->tts_values, values,
+		   sizeof(Datum) * slot->tts_tupleDescriptor->natts);
+	memcpy(slot->tts_isnull, nulls,
+		   sizeof(bool) * slot->tts_tupleDescriptor->natts);
 	ExecStoreVirtualTuple(slot);
 	direct_check(direct);
 	table_tuple_insert(direct->heap, slot, GetCurrentCommandId(true), 0, NULL);
@@ -216,7 +219,7 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 	slot_getallattrs(old);
 
 	ExecClearTuple(slot);
-	for (int i = 0; i < NUM_COLS; i++)
+	for (int i = 0; i < slot->tts_tupleDescriptor->natts; i++)
 	{
 		bool		set = (columns & COLUMN(i + 1)) != 0;
 

@@ -41,6 +41,7 @@ idem_shmem_request(void)
 	idem_key_shmem_request();
 	idem_stats_shmem_request();
 	idem_worker_shmem_request();
+	idem_session_shmem_request();
 }
 
 /* Create or attach the shared memory of every part. */
@@ -54,6 +55,7 @@ idem_shmem_startup(void)
 	idem_key_shmem_startup();
 	idem_stats_shmem_startup();
 	idem_worker_shmem_startup();
+	idem_session_shmem_startup();
 	LWLockRelease(AddinShmemInitLock);
 }
 

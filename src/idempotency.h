@@ -14,6 +14,8 @@
  *	                 the fencing token sequence
  *	  direct.c       the table-AM writer behind write.c (store.h)
  *	  keylock.c      the per-key advisory lock and the write counters
+ *	  session.c      session-bound claims: this session's binding, the
+ *	                 liveness of others', the wake-up when one ends
  *	  wait.c         waiting for an in-flight attempt: shared-memory
  *	                 waiter slots and the wake-up at commit or abort
  *	  stats.c        the idempotency.stats view: shared-memory counters, key counts
@@ -42,7 +44,7 @@
  * install script ships with it, the last number counts releases of the
  * library that leave the SQL objects alone.
  */
-#define IDEM_VERSION			"1.3.0"
+#define IDEM_VERSION			"1.4.0"
 
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255
@@ -132,6 +134,11 @@ typedef struct IdemRow
 	TimestampTz expires_at;
 	Interval	retention;
 	TimestampTz sweep_at;
+	/* 1.4 columns; NULL (0 / false) on a table of an older version */
+	Datum		phase;			/* text copy, or 0 */
+	Datum		phase_data;		/* copy as stored (with the body), or 0 */
+	bool		has_owner_session;
+	int64		owner_session;
 } IdemRow;
 
 /* How a probe reads: the newest state (claims, writes) or a snapshot. */
@@ -159,6 +166,9 @@ extern void idem_row_fetch_end(IdemFetch *fetch);
 extern int	idem_row_sweep_candidates(TimestampTz now, int limit,
 									  ItemPointerData **tids,
 									  text ***scopes, text ***keys);
+extern int	idem_row_session_candidates(int limit, ItemPointerData **tids,
+										text ***scopes, text ***keys,
+										int64 **sessions);
 
 /* Where idem_row_count_keys took its counts from. */
 typedef enum IdemKeyCountSource
@@ -184,13 +194,17 @@ extern void idem_write_insert_claim(text *scope, text *key, int64 token,
 									const uint8 *fingerprint,
 									TimestampTz now, TimestampTz lease_until,
 									TimestampTz expires_at,
-									Interval *retention);
+									Interval *retention,
+									int64 owner_session);
 extern void idem_write_update_claim(const IdemRow *old, int64 token,
 									int32 attempt, const uint8 *fingerprint,
 									TimestampTz created_at,
 									TimestampTz lease_until,
 									TimestampTz expires_at,
-									Interval *retention);
+									Interval *retention,
+									int64 owner_session);
+extern void idem_write_checkpoint(const IdemRow *old, Datum phase,
+								  Datum data);
 extern void idem_write_finish(const IdemRow *old, IdemStatus status,
 							  bool has_code, int32 code, Datum body,
 							  TimestampTz now, TimestampTz expires_at);
@@ -245,6 +259,14 @@ extern void idem_wait_init(void);
 extern void idem_wait_register(uint64 hash, IdemWaitRegistration *reg);
 extern void idem_wait_unregister(const IdemWaitRegistration *reg);
 extern void idem_wait_remember(uint64 hash);
+extern void idem_wait_wake_all(void);
+
+/* ---- session.c ---- */
+extern void idem_session_shmem_request(void);
+extern void idem_session_shmem_startup(void);
+extern int64 idem_session_bind(void);
+extern bool idem_session_alive(int64 session);
+extern uint64 idem_session_ends(void);
 
 /* ---- stats.c ---- */
 
@@ -264,6 +286,7 @@ typedef enum IdemCounter
 	IDEM_STAT_RELEASES,
 	IDEM_STAT_EXPIRED,
 	IDEM_STAT_RESET,
+	IDEM_STAT_CHECKPOINTS,		/* 1.4: after last_sweep_at, last_sweep_ms */
 	IDEM_STAT_NCOUNTERS
 } IdemCounter;
 
@@ -276,7 +299,8 @@ extern void idem_stats_sweep_done(TimestampTz at, double ms);
 extern void idem_tenant_check(text *scope);
 
 /* ---- sweep.c ---- */
-extern bool idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
+extern bool idem_sweep_batch_run(int batch, int max_fetches,
+								 uint64 *sessions_seen, int64 *expired,
 								 int64 *reset);
 
 /* ---- worker.c ---- */

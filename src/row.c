@@ -117,6 +117,16 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 	row->sweep_at = DatumGetTimestampTz(v[COL_SWEEP_AT - 1]);
 	memcpy(&row->retention, DatumGetIntervalP(v[COL_RETENTION - 1]),
 		   sizeof(Interval));
+	if (slot->tts_tupleDescriptor->natts >= COL_OWNER_SESSION)
+	{
+		row->phase = n[COL_PHASE - 1] ? (Datum) 0 :
+			PointerGetDatum(DatumGetTextPCopy(v[COL_PHASE - 1]));
+		row->phase_data = (want_body && !n[COL_PHASE_DATA - 1]) ?
+			datumCopy(v[COL_PHASE_DATA - 1], false, -1) : (Datum) 0;
+		row->has_owner_session = !n[COL_OWNER_SESSION - 1];
+		row->owner_session = row->has_owner_session ?
+			DatumGetInt64(v[COL_OWNER_SESSION - 1]) : 0;
+	}
 }
 
 /*
@@ -391,42 +401,43 @@ idem_row_check_snapshot(const IdemRow *row)
 }
 
 /*
- * Up to "limit" keys the sweeper may have work on at "now", oldest first:
- * a direct scan of keys_sweep_at_idx (no executor, no tuple copies beyond
- * the scope and key), through the snapshot a statement would get now, so
- * that each fetch sees this sweep's earlier writes.  The arrays and texts
- * are allocated in the current memory context.  Returns how many.
+ * Up to "limit" rows of the index "indexid" that match "skey" (nkeys: 0 or
+ * 1), in index order: a direct index scan (no executor, no tuple copies
+ * beyond the scope and key), through the snapshot a statement would get
+ * now, so that each fetch sees this sweep's earlier writes.  The arrays
+ * and texts are allocated in the current memory context.  With "sessions",
+ * the owner_session of each row too (0 when NULL).  Returns how many.
  */
-int
-idem_row_sweep_candidates(TimestampTz now, int limit,
-						  ItemPointerData **tids, text ***scopes,
-						  text ***keys)
+static int
+row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
+					 ItemPointerData **tids, text ***scopes, text ***keys,
+					 int64 **sessions)
 {
 	const IdemCatalog *catalog;
 	Relation	heap;
 	Relation	index;
-	ScanKeyData skey;
 	IndexScanDesc scan;
 	TupleTableSlot *slot;
 	int			n = 0;
 	int			alloc = Min(limit, 256);
+	AttrNumber	lastcol = sessions ? COL_OWNER_SESSION : COL_KEY;
 
 	*tids = palloc(sizeof(ItemPointerData) * alloc);
 	*scopes = palloc(sizeof(text *) * alloc);
 	*keys = palloc(sizeof(text *) * alloc);
+	if (sessions)
+		*sessions = palloc(sizeof(int64) * alloc);
 
 	catalog = idem_catalog();
 	heap = table_open(catalog->keys, AccessShareLock);
-	index = index_open(catalog->sweep_idx, AccessShareLock);
+	index = index_open(indexid, AccessShareLock);
 	CommandCounterIncrement();
 	PushCopiedSnapshot(GetTransactionSnapshot());
 	UpdateActiveSnapshotCommandId();
 
-	ScanKeyInit(&skey, 1, BTLessEqualStrategyNumber, F_TIMESTAMPTZ_LE,
-				TimestampTzGetDatum(now));
 	slot = table_slot_create(heap, NULL);
-	scan = idem_index_beginscan(heap, index, GetActiveSnapshot(), 1, 0);
-	index_rescan(scan, &skey, 1, NULL, 0);
+	scan = idem_index_beginscan(heap, index, GetActiveSnapshot(), nkeys, 0);
+	index_rescan(scan, skey, nkeys, NULL, 0);
 	while (n < limit && index_getnext_slot(scan, ForwardScanDirection, slot))
 	{
 		/* A backlog can be millions of keys: stay cancellable. */
@@ -437,11 +448,16 @@ idem_row_sweep_candidates(TimestampTz now, int limit,
 			*tids = repalloc(*tids, sizeof(ItemPointerData) * alloc);
 			*scopes = repalloc(*scopes, sizeof(text *) * alloc);
 			*keys = repalloc(*keys, sizeof(text *) * alloc);
+			if (sessions)
+				*sessions = repalloc(*sessions, sizeof(int64) * alloc);
 		}
-		slot_getsomeattrs(slot, COL_KEY);
+		slot_getsomeattrs(slot, lastcol);
 		(*tids)[n] = slot->tts_tid;
 		(*scopes)[n] = DatumGetTextPCopy(slot->tts_values[COL_SCOPE - 1]);
 		(*keys)[n] = DatumGetTextPCopy(slot->tts_values[COL_KEY - 1]);
+		if (sessions)
+			(*sessions)[n] = slot->tts_isnull[COL_OWNER_SESSION - 1] ? 0 :
+				DatumGetInt64(slot->tts_values[COL_OWNER_SESSION - 1]);
 		n++;
 	}
 	index_endscan(scan);
@@ -450,6 +466,45 @@ idem_row_sweep_candidates(TimestampTz now, int limit,
 	index_close(index, NoLock);
 	table_close(heap, NoLock);
 	return n;
+}
+
+/*
+ * Up to "limit" keys the sweeper may have work on at "now", oldest first:
+ * a scan of keys_sweep_at_idx up to "now".
+ */
+int
+idem_row_sweep_candidates(TimestampTz now, int limit,
+						  ItemPointerData **tids, text ***scopes,
+						  text ***keys)
+{
+	ScanKeyData skey;
+
+	ScanKeyInit(&skey, 1, BTLessEqualStrategyNumber, F_TIMESTAMPTZ_LE,
+				TimestampTzGetDatum(now));
+	return row_index_candidates(idem_catalog()->sweep_idx, &skey, 1, limit,
+								tids, scopes, keys, NULL);
+}
+
+/*
+ * Up to "limit" keys that carry a session binding (keys_owner_session_idx:
+ * session-bound claims still pending), in session order, with the session
+ * of each.  None before extension version 1.4.
+ */
+int
+idem_row_session_candidates(int limit, ItemPointerData **tids,
+							text ***scopes, text ***keys, int64 **sessions)
+{
+	const IdemCatalog *catalog = idem_catalog();
+
+	if (!OidIsValid(catalog->session_idx))
+	{
+		*tids = NULL;
+		*scopes = *keys = NULL;
+		*sessions = NULL;
+		return 0;
+	}
+	return row_index_candidates(catalog->session_idx, NULL, 0, limit,
+								tids, scopes, keys, sessions);
 }
 
 /*

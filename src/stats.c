@@ -226,8 +226,10 @@ idem_stats_counters(PG_FUNCTION_ARGS)
 	for (int i = 0; i < STATS_MAX_DATABASES; i++)
 	{
 		StatsEntry *e = &stats_shared->entries[i];
+		/* dbid, the 1.0 counters, the last sweep, the 1.4 counters */
 		Datum		values[IDEM_STAT_NCOUNTERS + 3];
 		bool		nulls[IDEM_STAT_NCOUNTERS + 3] = {0};
+		const int	sweep_col = IDEM_STAT_CHECKPOINTS + 1;
 		TimestampTz at;
 		double		ms;
 
@@ -238,16 +240,17 @@ idem_stats_counters(PG_FUNCTION_ARGS)
 		pg_read_barrier();		/* pairs with the claim's write barrier */
 		values[0] = ObjectIdGetDatum(dbid);
 		for (int c = 0; c < IDEM_STAT_NCOUNTERS; c++)
-			values[c + 1] = Int64GetDatum((int64)
-										  pg_atomic_read_u64(&e->counters[c]));
+			values[c < IDEM_STAT_CHECKPOINTS ? c + 1 : c + 3] =
+				Int64GetDatum((int64) pg_atomic_read_u64(&e->counters[c]));
 		SpinLockAcquire(&e->mutex);
 		at = e->last_sweep_at;
 		ms = e->last_sweep_ms;
 		SpinLockRelease(&e->mutex);
-		values[IDEM_STAT_NCOUNTERS + 1] = TimestampTzGetDatum(at);
-		nulls[IDEM_STAT_NCOUNTERS + 1] = (at == 0);
-		values[IDEM_STAT_NCOUNTERS + 2] = Float8GetDatum(ms);
-		nulls[IDEM_STAT_NCOUNTERS + 2] = (at == 0);
+		values[sweep_col] = TimestampTzGetDatum(at);
+		nulls[sweep_col] = (at == 0);
+		values[sweep_col + 1] = Float8GetDatum(ms);
+		nulls[sweep_col + 1] = (at == 0);
+		/* a 1.3 installation declares fewer columns: they come first */
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
 							 nulls);
 	}

@@ -41,8 +41,19 @@ typedef enum KeysColumn
 	COL_EXPIRES_AT,
 	COL_RETENTION,
 	COL_SWEEP_AT,
-	NUM_COLS = COL_SWEEP_AT
+	/* appended in extension version 1.4 */
+	COL_PHASE,
+	COL_PHASE_DATA,
+	COL_OWNER_SESSION,
+	NUM_COLS = COL_OWNER_SESSION
 } KeysColumn;
+
+/*
+ * The table as extension versions 1.0 to 1.3 create it: the first 14
+ * columns.  One library serves every installed version, so the store
+ * reads and writes only the columns the table has (IdemCatalog.ncols).
+ */
+#define NUM_COLS_1_0			COL_SWEEP_AT
 
 /* The bit of column "col" in a set of columns (a write rule's). */
 #define COLUMN(col)				(1u << ((col) - 1))
@@ -64,6 +75,9 @@ typedef struct IdemCatalog
 	Oid			keys;
 	Oid			pkey;			/* keys_pkey: (scope, key) */
 	Oid			sweep_idx;		/* keys_sweep_at_idx: (sweep_at) */
+	Oid			session_idx;	/* keys_owner_session_idx, or InvalidOid
+								 * before 1.4 */
+	int			ncols;			/* NUM_COLS, or NUM_COLS_1_0 before 1.4 */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
 } IdemCatalog;

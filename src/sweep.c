@@ -10,8 +10,12 @@
  * taken, is skipped, so a sweep never waits on a claim and never removes a
  * key an open transaction is claiming.  A key found before its time (its
  * sweep_at is only a lower bound: finish and extend leave it alone so that
- * they stay HOT updates) is rescheduled to when it will be due.  Must not
- * commit: callers decide the transaction boundaries.
+ * they stay HOT updates) is rescheduled to when it will be due.  A
+ * session-bound key whose session ended is treated as if its lease had
+ * ended: reset (or deleted, past its retention) without waiting for the
+ * lease; such keys are found through keys_owner_session_idx whenever a
+ * session with a binding ended since the last look.  Must not commit:
+ * callers decide the transaction boundaries.
  *
  *-------------------------------------------------------------------------
  */
@@ -26,12 +30,16 @@
 /* Keys locked and written together (advisory locks held at once). */
 #define SWEEP_CHUNK			128
 
-/* Is the key pending under a lease that still runs at "now"? */
+/*
+ * Is the key pending under a lease that still runs at "now", held by a
+ * session that still lives if the claim was session-bound?
+ */
 static bool
 sweep_lease_runs(const IdemRow *row, TimestampTz now)
 {
 	return row->status == IDEM_PENDING && row->has_token &&
-		row->lease_until > now;
+		row->lease_until > now &&
+		(!row->has_owner_session || idem_session_alive(row->owner_session));
 }
 
 /*
@@ -54,12 +62,14 @@ sweep_due(const IdemRow *row, IdemSweepWork kind, TimestampTz now)
  * then release the locks.  Keys whose lock is taken, that
  * another transaction is changing, that our own open transaction is
  * claiming, or whose row changed since the candidate query are skipped.
- * Never does more than "batch" of each kind in total.  Returns how many
- * rows it changed.
+ * Never does more than "batch" of each kind in total.  With "only_ended"
+ * (keys of ended sessions), a key that needs no delete or reset is left
+ * alone.  Returns how many rows it changed.
  */
 static int
 sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
-			TimestampTz now, int batch, int64 *expired, int64 *reset)
+			TimestampTz now, int batch, bool only_ended, int64 *expired,
+			int64 *reset)
 {
 	uint64		locked[SWEEP_CHUNK];
 	IdemSweepItem work[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
@@ -99,6 +109,8 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 				continue;
 			kind = IDEM_SWEEP_RESET;
 		}
+		else if (only_ended)
+			continue;
 		else
 			kind = IDEM_SWEEP_RESCHEDULE;
 		work[kind][nwork[kind]].tid = row.tid;
@@ -129,22 +141,78 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 }
 
 /*
+ * Reset (or delete, past retention) the pending keys of sessions that
+ * ended, up to "batch" of each kind: a scan of keys_owner_session_idx,
+ * which holds only keys still bound to a session, so it reads nothing
+ * else; the liveness of each session is asked once (the index returns a
+ * session's keys together).  Returns true when the batch filled before the
+ * scan ended.
+ */
+static bool
+sweep_ended_sessions(MemoryContext cxt, TimestampTz now, int batch,
+					 int64 *expired, int64 *reset)
+{
+	ItemPointerData *tids;
+	text	  **scopes;
+	text	  **keys;
+	int64	   *sessions;
+	int			n;
+	int			ndead = 0;
+	int64		last = 0;
+	bool		last_alive = true;
+	MemoryContext old = MemoryContextSwitchTo(cxt);
+
+	n = idem_row_session_candidates(PG_INT32_MAX, &tids, &scopes, &keys,
+									&sessions);
+	MemoryContextSwitchTo(old);
+	for (int i = 0; i < n; i++)
+	{
+		CHECK_FOR_INTERRUPTS();
+		if (sessions[i] == 0)
+			continue;
+		if (sessions[i] != last)
+		{
+			last = sessions[i];
+			last_alive = idem_session_alive(last);
+		}
+		if (last_alive)
+			continue;
+		tids[ndead] = tids[i];
+		scopes[ndead] = scopes[i];
+		keys[ndead++] = keys[i];
+	}
+	for (int i = 0; i < ndead && *expired < batch && *reset < batch;
+		 i += SWEEP_CHUNK)
+	{
+		CHECK_FOR_INTERRUPTS();
+		(void) sweep_chunk(&tids[i], &scopes[i], &keys[i],
+						   Min(SWEEP_CHUNK, ndead - i), now, batch, true,
+						   expired, reset);
+	}
+	return ndead > 0 && (*expired >= batch || *reset >= batch);
+}
+
+/*
  * Sweep at most "batch" keys of each kind (expired, reset) in the current
  * transaction, counting them into *expired and *reset.  Rows found before
  * their time (a key finished or extended after its claim) are rescheduled
  * on the way and do not count, so a call keeps fetching candidates until a
  * kind is full, nothing more is due, or every remaining candidate was
  * skipped; "max_fetches" (0: no limit) bounds that for the worker, which
- * slices its visits by time.  Returns true when more rows may be due.
+ * slices its visits by time.  The keys of ended sessions are looked for
+ * when "sessions_seen" is NULL (idem_sweep) or when sessions with a binding
+ * ended since the count it holds (the worker's), which is then moved on.
+ * Returns true when more rows may be due.
  */
 bool
-idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
-					 int64 *reset)
+idem_sweep_batch_run(int batch, int max_fetches, uint64 *sessions_seen,
+					 int64 *expired, int64 *reset)
 {
 	TimestampTz now = GetCurrentTimestamp();
 	int			limit = (int) Min((int64) batch * 2, (int64) PG_INT32_MAX);
 	bool		more = false;
 	MemoryContext fetch_cxt;
+	uint64		ends;
 
 	*expired = 0;
 	*reset = 0;
@@ -172,12 +240,22 @@ idem_sweep_batch_run(int batch, int max_fetches, int64 *expired,
 			CHECK_FOR_INTERRUPTS();
 			progress += sweep_chunk(&tids[i], &scopes[i], &keys[i],
 									Min(SWEEP_CHUNK, n - i), now, batch,
-									expired, reset);
+									false, expired, reset);
 			IDEM_PAUSE("sweep-chunk-done");
 		}
 		more = (n == limit && progress > 0);
 		if (!more || *expired >= batch || *reset >= batch)
 			break;
+	}
+	ends = idem_session_ends();
+	if (*expired < batch && *reset < batch &&
+		(sessions_seen == NULL || ends == 0 || ends != *sessions_seen))
+	{
+		MemoryContextReset(fetch_cxt);
+		if (sweep_ended_sessions(fetch_cxt, now, batch, expired, reset))
+			more = true;		/* not done with them: look again next time */
+		else if (sessions_seen != NULL)
+			*sessions_seen = ends;
 	}
 	MemoryContextDelete(fetch_cxt);
 

@@ -263,3 +263,19 @@ idem_wait_remember(uint64 hash)
 	else
 		touched_overflow = true;
 }
+
+/*
+ * Wake every claim waiting in this database, whatever its key: a session
+ * whose session-bound keys are reclaimable now ended (session.c), and it
+ * does not keep the list of its keys.  Each waiter probes again; those not
+ * concerned go back to sleep.
+ */
+void
+idem_wait_wake_all(void)
+{
+	bool		saved = touched_overflow;
+
+	touched_overflow = true;
+	wait_wake();
+	touched_overflow = saved;
+}

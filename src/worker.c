@@ -230,6 +230,9 @@ sweeper_extension_installed(void)
 	return OidIsValid(get_extension_oid("idempotency", true));
 }
 
+/* The count of ended session bindings this worker last looked after. */
+static uint64 sessions_seen = 0;
+
 /*
  * Run one sweep batch in a transaction of its own, in worker_spi's order.
  * Returns false when the extension is not installed; sets *more when more
@@ -247,8 +250,8 @@ sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 
 	installed = sweeper_extension_installed();
 	if (installed)
-		*more = idem_sweep_batch_run(batch, SWEEPER_MAX_FETCHES, expired,
-									 reset);
+		*more = idem_sweep_batch_run(batch, SWEEPER_MAX_FETCHES,
+									 &sessions_seen, expired, reset);
 
 	PopActiveSnapshot();
 	CommitTransactionCommand();

@@ -40,8 +40,10 @@
 typedef enum WriteKind
 {
 	WRITE_CLAIM_INSERT,
-	WRITE_CLAIM_UPDATE,
+	WRITE_CLAIM_RENEW,
+	WRITE_CLAIM_TAKEOVER,
 	WRITE_FINISH,
+	WRITE_CHECKPOINT,
 	WRITE_EXTEND,
 	WRITE_RELEASE,
 	WRITE_SWEEP_DELETE,
@@ -50,7 +52,10 @@ typedef enum WriteKind
 	NUM_WRITE_KINDS
 } WriteKind;
 
-#define ALL_COLUMNS				(COLUMN(NUM_COLS + 1) - 1)
+/* The columns 1 .. n. */
+#define COLUMNS_UPTO(n)			(COLUMN((n) + 1) - 1)
+#define ALL_COLUMNS				COLUMNS_UPTO(NUM_COLS)
+#define CHECKPOINT_COLUMNS		(COLUMN(COL_PHASE) | COLUMN(COL_PHASE_DATA))
 
 typedef struct WriteRule
 {
@@ -61,14 +66,24 @@ typedef struct WriteRule
 
 static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	[WRITE_CLAIM_INSERT] = {CMD_INSERT, ALL_COLUMNS, false},
-	/* a takeover, or a fresh claim over a row past its retention */
-	[WRITE_CLAIM_UPDATE] = {CMD_UPDATE,
+	/* a fresh claim over a row past its retention: its checkpoint goes */
+	[WRITE_CLAIM_RENEW] = {CMD_UPDATE,
 		ALL_COLUMNS & ~(COLUMN(COL_SCOPE) | COLUMN(COL_KEY)), false},
+	/* a takeover: the new attempt resumes from the last checkpoint */
+	[WRITE_CLAIM_TAKEOVER] = {CMD_UPDATE,
+		ALL_COLUMNS & ~(COLUMN(COL_SCOPE) | COLUMN(COL_KEY) |
+						CHECKPOINT_COLUMNS), false},
+	/*
+	 * A finished key is bound to no session.  Setting owner_session from
+	 * NULL to NULL changes nothing, so a plain claim's finish stays a HOT
+	 * update.
+	 */
 	[WRITE_FINISH] = {CMD_UPDATE,
 		COLUMN(COL_STATUS) | COLUMN(COL_RESPONSE_CODE) |
 		COLUMN(COL_RESPONSE_BODY) | COLUMN(COL_FINISHED_AT) |
 		COLUMN(COL_LEASE_UNTIL) | COLUMN(COL_EXPIRES_AT) |
-		COLUMN(COL_SWEEP_AT), false},
+		COLUMN(COL_SWEEP_AT) | COLUMN(COL_OWNER_SESSION), false},
+	[WRITE_CHECKPOINT] = {CMD_UPDATE, CHECKPOINT_COLUMNS, false},
 	[WRITE_EXTEND] = {CMD_UPDATE,
 		COLUMN(COL_LEASE_UNTIL) | COLUMN(COL_EXPIRES_AT), false},
 	[WRITE_RELEASE] = {CMD_DELETE, 0, false},
@@ -81,12 +96,25 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	 */
 	[WRITE_SWEEP_DELETE] = {CMD_DELETE, 0, true},
 	[WRITE_SWEEP_RESET] = {CMD_UPDATE,
-		COLUMN(COL_TOKEN) | COLUMN(COL_SWEEP_AT), true},
+		COLUMN(COL_TOKEN) | COLUMN(COL_SWEEP_AT) | COLUMN(COL_OWNER_SESSION),
+		true},
 	[WRITE_SWEEP_RESCHEDULE] = {CMD_UPDATE, COLUMN(COL_SWEEP_AT), true},
 };
 
-/* The statement of each kind, prepared at its first use in this backend. */
+/*
+ * The statement of each kind, prepared at its first use in this backend for
+ * a table of write_plans_ncols columns (an update of the extension in
+ * another session adds columns: the statements are prepared again).
+ */
 static SPIPlanPtr write_plans[NUM_WRITE_KINDS];
+static int	write_plans_ncols = 0;
+
+/* The columns of a rule that the table has. */
+static uint32
+write_columns(const WriteRule *rule)
+{
+	return rule->columns & COLUMNS_UPTO(idem_catalog()->ncols);
+}
 
 /* A write's values, one per column (those of the rule's columns are used). */
 typedef struct WriteRow
@@ -140,6 +168,7 @@ write_rule_sql(const WriteRule *rule, Oid *argtypes, int *nargs)
 	StringInfoData sql;
 	StringInfoData vals;
 	const char *sep = "";
+	uint32		columns = write_columns(rule);
 
 	initStringInfo(&sql);
 	initStringInfo(&vals);
@@ -162,7 +191,7 @@ write_rule_sql(const WriteRule *rule, Oid *argtypes, int *nargs)
 	{
 		const char *name = quote_identifier(idem_keys_columns[i].name);
 
-		if (!(rule->columns & COLUMN(i + 1)))
+		if (!(columns & COLUMN(i + 1)))
 			continue;
 		argtypes[(*nargs)++] = idem_keys_columns[i].type;
 		if (rule->cmd == CMD_INSERT)
@@ -194,6 +223,18 @@ write_rule_sql(const WriteRule *rule, Oid *argtypes, int *nargs)
 static SPIPlanPtr
 write_plan(WriteKind kind)
 {
+	int			ncols = idem_catalog()->ncols;
+
+	if (write_plans_ncols != ncols)
+	{
+		for (int i = 0; i < NUM_WRITE_KINDS; i++)
+		{
+			if (write_plans[i] != NULL)
+				SPI_freeplan(write_plans[i]);
+			write_plans[i] = NULL;
+		}
+		write_plans_ncols = ncols;
+	}
 	if (write_plans[kind] == NULL)
 	{
 		Oid			argtypes[NUM_COLS + 1];
@@ -230,6 +271,7 @@ write_execute(WriteKind kind, const WriteRow *row)
 {
 	const WriteRule *rule = &write_rules[kind];
 	SPIPlanPtr	plan = write_plan(kind);
+	uint32		columns = write_columns(rule);
 	Datum		values[NUM_COLS + 1];
 	char		nulls[NUM_COLS + 1];
 	int			nargs = 0;
@@ -243,7 +285,7 @@ write_execute(WriteKind kind, const WriteRow *row)
 	}
 	for (int i = 0; i < NUM_COLS; i++)
 	{
-		if (!(rule->columns & COLUMN(i + 1)))
+		if (!(columns & COLUMN(i + 1)))
 			continue;
 		values[nargs] = row->values[i];
 		nulls[nargs++] = row->nulls[i] ? 'n' : ' ';
@@ -339,7 +381,7 @@ write_direct(IdemDirect *direct, const WriteRule *rule, WriteRow *row)
 			idem_direct_insert(direct, row->values, row->nulls);
 			return true;
 		case CMD_UPDATE:
-			result = idem_direct_update(direct, &row->tid, rule->columns,
+			result = idem_direct_update(direct, &row->tid, write_columns(rule),
 										row->values, row->nulls,
 										!rule->skip_busy);
 			break;
@@ -458,7 +500,7 @@ static void
 row_pending(WriteRow *row, int64 token, int32 attempt,
 			const uint8 *fingerprint, TimestampTz created_at,
 			TimestampTz lease_until, TimestampTz expires_at,
-			Interval *retention, TimestampTz sweep_at)
+			Interval *retention, TimestampTz sweep_at, int64 owner_session)
 {
 	row_set(row, COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
 	row_set(row, COL_TOKEN, Int64GetDatum(token));
@@ -472,6 +514,12 @@ row_pending(WriteRow *row, int64 token, int32 attempt,
 	row_set(row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
 	row_set(row, COL_RETENTION, IntervalPGetDatum(retention));
 	row_set(row, COL_SWEEP_AT, TimestampTzGetDatum(sweep_at));
+	row_null(row, COL_PHASE);
+	row_null(row, COL_PHASE_DATA);
+	if (owner_session != 0)
+		row_set(row, COL_OWNER_SESSION, Int64GetDatum(owner_session));
+	else
+		row_null(row, COL_OWNER_SESSION);
 }
 
 /* Insert a new pending key (first attempt). */
@@ -479,7 +527,7 @@ void
 idem_write_insert_claim(text *scope, text *key, int64 token,
 						const uint8 *fingerprint, TimestampTz now,
 						TimestampTz lease_until, TimestampTz expires_at,
-						Interval *retention)
+						Interval *retention, int64 owner_session)
 {
 	WriteRow	row;
 
@@ -487,26 +535,30 @@ idem_write_insert_claim(text *scope, text *key, int64 token,
 	row_set(&row, COL_SCOPE, PointerGetDatum(scope));
 	row_set(&row, COL_KEY, PointerGetDatum(key));
 	row_pending(&row, token, 1, fingerprint, now, lease_until, expires_at,
-				retention, lease_until);
+				retention, lease_until, owner_session);
 	(void) write_apply(WRITE_CLAIM_INSERT, &row, 1);
 }
 
 /*
- * Turn the probed row into a new pending attempt: a takeover (attempt + 1)
- * or a fresh claim over a row past its retention (attempt 1).
+ * Turn the probed row into a new pending attempt: a takeover (attempt + 1,
+ * which keeps the last checkpoint) or a fresh claim over a row past its
+ * retention (attempt 1, which clears it).  owner_session is the claiming
+ * session's binding, or 0.
  */
 void
 idem_write_update_claim(const IdemRow *old, int64 token, int32 attempt,
 						const uint8 *fingerprint, TimestampTz created_at,
 						TimestampTz lease_until, TimestampTz expires_at,
-						Interval *retention)
+						Interval *retention, int64 owner_session)
 {
 	WriteRow	row;
 
 	row_init(&row, &old->tid);
 	row_pending(&row, token, attempt, fingerprint, created_at, lease_until,
-				expires_at, retention, write_sweep_at(old, lease_until));
-	(void) write_apply(WRITE_CLAIM_UPDATE, &row, 1);
+				expires_at, retention, write_sweep_at(old, lease_until),
+				owner_session);
+	(void) write_apply(attempt > 1 ? WRITE_CLAIM_TAKEOVER : WRITE_CLAIM_RENEW,
+					   &row, 1);
 }
 
 /* Store the result of the probed pending row. */
@@ -532,7 +584,23 @@ idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
 	row_set(&row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
 	row_set(&row, COL_SWEEP_AT,
 			TimestampTzGetDatum(write_sweep_at(old, expires_at)));
+	row_null(&row, COL_OWNER_SESSION);
 	(void) write_apply(WRITE_FINISH, &row, 1);
+}
+
+/* Record a checkpoint (phase, and data or 0 for NULL) on the probed row. */
+void
+idem_write_checkpoint(const IdemRow *old, Datum phase, Datum data)
+{
+	WriteRow	row;
+
+	row_init(&row, &old->tid);
+	row_set(&row, COL_PHASE, phase);
+	if (data != (Datum) 0)
+		row_set(&row, COL_PHASE_DATA, data);
+	else
+		row_null(&row, COL_PHASE_DATA);
+	(void) write_apply(WRITE_CHECKPOINT, &row, 1);
 }
 
 /* Push the lease (and the pending expiry) of the probed row. */
@@ -584,6 +652,7 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 		row_init(&rows[i], &items[i].tid);
 		row_null(&rows[i], COL_TOKEN);
 		row_set(&rows[i], COL_SWEEP_AT, TimestampTzGetDatum(items[i].sweep_at));
+		row_null(&rows[i], COL_OWNER_SESSION);
 	}
 	done = write_apply(kinds[work], rows, n);
 	pfree(rows);
