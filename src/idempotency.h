@@ -166,7 +166,8 @@ extern void idem_row_fetch_end(IdemFetch *fetch);
 extern int	idem_row_sweep_candidates(TimestampTz now, int limit,
 									  ItemPointerData **tids,
 									  text ***scopes, text ***keys);
-extern int	idem_row_session_candidates(int limit, ItemPointerData **tids,
+extern int	idem_row_session_candidates(int64 after, int limit,
+										ItemPointerData **tids,
 										text ***scopes, text ***keys,
 										int64 **sessions);
 

@@ -486,15 +486,17 @@ idem_row_sweep_candidates(TimestampTz now, int limit,
 }
 
 /*
- * Up to "limit" keys that carry a session binding (keys_owner_session_idx:
- * session-bound claims still pending), in session order, with the session
- * of each.  None before extension version 1.4.
+ * Up to "limit" keys bound to a session numbered above "after"
+ * (keys_owner_session_idx holds the session-bound claims still pending), in
+ * session order, with the session of each.  None before extension version
+ * 1.4.
  */
 int
-idem_row_session_candidates(int limit, ItemPointerData **tids,
+idem_row_session_candidates(int64 after, int limit, ItemPointerData **tids,
 							text ***scopes, text ***keys, int64 **sessions)
 {
 	const IdemCatalog *catalog = idem_catalog();
+	ScanKeyData skey;
 
 	if (!OidIsValid(catalog->session_idx))
 	{
@@ -503,7 +505,9 @@ idem_row_session_candidates(int limit, ItemPointerData **tids,
 		*sessions = NULL;
 		return 0;
 	}
-	return row_index_candidates(catalog->session_idx, NULL, 0, limit,
+	ScanKeyInit(&skey, 1, BTGreaterStrategyNumber, F_INT8GT,
+				Int64GetDatum(after));
+	return row_index_candidates(catalog->session_idx, &skey, 1, limit,
 								tids, scopes, keys, sessions);
 }
 

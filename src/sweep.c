@@ -29,6 +29,8 @@
 
 /* Keys locked and written together (advisory locks held at once). */
 #define SWEEP_CHUNK			128
+/* Rows of keys_owner_session_idx read at a time. */
+#define SESSION_SCAN_CHUNK	4096
 
 /*
  * Is the key pending under a lease that still runs at "now", held by a
@@ -144,52 +146,68 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
  * Reset (or delete, past retention) the pending keys of sessions that
  * ended, up to "batch" of each kind: a scan of keys_owner_session_idx,
  * which holds only keys still bound to a session, so it reads nothing
- * else; the liveness of each session is asked once (the index returns a
- * session's keys together).  Returns true when the batch filled before the
- * scan ended.
+ * else.  It goes through the index SESSION_SCAN_CHUNK rows at a time, in
+ * session order, and asks each session's liveness once per chunk (the
+ * index returns a session's keys together).  Returns true when it stopped
+ * before the end: the batch filled, or a session's keys ran over the end of
+ * a chunk (the next chunk starts after that session, so the caller looks
+ * again from the start next time).
  */
 static bool
 sweep_ended_sessions(MemoryContext cxt, TimestampTz now, int batch,
 					 int64 *expired, int64 *reset)
 {
-	ItemPointerData *tids;
-	text	  **scopes;
-	text	  **keys;
-	int64	   *sessions;
-	int			n;
-	int			ndead = 0;
-	int64		last = 0;
-	bool		last_alive = true;
-	MemoryContext old = MemoryContextSwitchTo(cxt);
+	int64		after = 0;
+	bool		unfinished = false;
 
-	n = idem_row_session_candidates(PG_INT32_MAX, &tids, &scopes, &keys,
-									&sessions);
-	MemoryContextSwitchTo(old);
-	for (int i = 0; i < n; i++)
+	for (;;)
 	{
+		ItemPointerData *tids;
+		text	  **scopes;
+		text	  **keys;
+		int64	   *sessions;
+		int			n;
+		int			ndead = 0;
+		int64		last = 0;
+		bool		last_alive = true;
+		MemoryContext old;
+
 		CHECK_FOR_INTERRUPTS();
-		if (sessions[i] == 0)
-			continue;
-		if (sessions[i] != last)
+		MemoryContextReset(cxt);
+		old = MemoryContextSwitchTo(cxt);
+		n = idem_row_session_candidates(after, SESSION_SCAN_CHUNK, &tids,
+										&scopes, &keys, &sessions);
+		MemoryContextSwitchTo(old);
+		for (int i = 0; i < n; i++)
 		{
-			last = sessions[i];
-			last_alive = idem_session_alive(last);
+			if (sessions[i] != last)
+			{
+				last = sessions[i];
+				last_alive = idem_session_alive(last);
+			}
+			if (last_alive)
+				continue;
+			tids[ndead] = tids[i];
+			scopes[ndead] = scopes[i];
+			keys[ndead++] = keys[i];
 		}
-		if (last_alive)
-			continue;
-		tids[ndead] = tids[i];
-		scopes[ndead] = scopes[i];
-		keys[ndead++] = keys[i];
+		for (int i = 0; i < ndead && *expired < batch && *reset < batch;
+			 i += SWEEP_CHUNK)
+		{
+			CHECK_FOR_INTERRUPTS();
+			(void) sweep_chunk(&tids[i], &scopes[i], &keys[i],
+							   Min(SWEEP_CHUNK, ndead - i), now, batch, true,
+							   expired, reset);
+		}
+		if (ndead > 0 && (*expired >= batch || *reset >= batch))
+			return true;
+		if (n < SESSION_SCAN_CHUNK)
+			break;
+		/* the last session's keys may go on in the next chunk */
+		unfinished = unfinished || !last_alive;
+		after = sessions[n - 1];
 	}
-	for (int i = 0; i < ndead && *expired < batch && *reset < batch;
-		 i += SWEEP_CHUNK)
-	{
-		CHECK_FOR_INTERRUPTS();
-		(void) sweep_chunk(&tids[i], &scopes[i], &keys[i],
-						   Min(SWEEP_CHUNK, ndead - i), now, batch, true,
-						   expired, reset);
-	}
-	return ndead > 0 && (*expired >= batch || *reset >= batch);
+	return unfinished;
 }
 
 /*

@@ -5,7 +5,7 @@
 \set ON_ERROR_STOP 1
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
-SELECT plan(73);
+SELECT plan(79);
 
 CREATE ROLE regress_idem_app NOLOGIN;
 CREATE ROLE regress_idem_nousage NOLOGIN;
@@ -20,7 +20,7 @@ SELECT ok(NOT has_schema_privilege('regress_idem_nousage', 'idempotency', 'USAGE
           'a role without the grant has no USAGE');
 SELECT ok(NOT has_schema_privilege('regress_idem_app', 'idempotency', 'CREATE'),
           'the app role cannot create objects in schema idempotency');
-SELECT ok(has_function_privilege('public', 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval)', 'EXECUTE'),
+SELECT ok(has_function_privilege('public', 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean)', 'EXECUTE'),
           'PUBLIC may execute idem_claim');
 SELECT ok(has_function_privilege('public', 'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval)', 'EXECUTE'),
           'PUBLIC may execute idem_finish');
@@ -32,6 +32,12 @@ SELECT ok(has_function_privilege('public', 'idempotency.idem_lookup(text,text)',
           'PUBLIC may execute idem_lookup');
 SELECT ok(has_function_privilege('public', 'idempotency.idem_version()', 'EXECUTE'),
           'PUBLIC may execute idem_version');
+SELECT ok(has_function_privilege('public', 'idempotency.idem_checkpoint(text,bigint,text,jsonb,text)', 'EXECUTE'),
+          'PUBLIC may execute idem_checkpoint');
+SELECT ok(has_function_privilege('public', 'idempotency.idem_claim_many(text[],jsonb[],text,interval,interval,boolean)', 'EXECUTE'),
+          'PUBLIC may execute idem_claim_many');
+SELECT ok(has_function_privilege('public', 'idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval)', 'EXECUTE'),
+          'PUBLIC may execute idem_finish_many');
 SELECT ok(NOT has_function_privilege('public', 'idempotency.idem_sweep(integer)', 'EXECUTE'),
           'PUBLIC may not execute idem_sweep');
 SELECT ok(NOT has_function_privilege('regress_idem_app', 'idempotency.idem_sweep(integer)', 'EXECUTE'),
@@ -168,6 +174,12 @@ SELECT throws_ok($$SELECT idempotency.idem_release('p1', 1, 'pgtap-priv')$$,
                  '42501', NULL, 'no USAGE: idem_release refused');
 SELECT throws_ok($$SELECT * FROM idempotency.idem_lookup('p1', 'pgtap-priv')$$,
                  '42501', NULL, 'no USAGE: idem_lookup refused');
+SELECT throws_ok($$SELECT idempotency.idem_checkpoint('p1', 1, 'step', NULL, 'pgtap-priv')$$,
+                 '42501', NULL, 'no USAGE: idem_checkpoint refused');
+SELECT throws_ok($$SELECT * FROM idempotency.idem_claim_many(ARRAY['n1'], scope => 'pgtap-priv')$$,
+                 '42501', NULL, 'no USAGE: idem_claim_many refused');
+SELECT throws_ok($$SELECT * FROM idempotency.idem_finish_many(ARRAY['p1'], ARRAY[1::bigint], scope => 'pgtap-priv')$$,
+                 '42501', NULL, 'no USAGE: idem_finish_many refused');
 SELECT throws_ok('SELECT * FROM idempotency.idem_sweep()',
                  '42501', NULL, 'no USAGE: idem_sweep refused');
 SELECT throws_ok('SELECT * FROM idempotency.keys',

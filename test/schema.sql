@@ -5,14 +5,14 @@
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 SET LOCAL intervalstyle = 'postgres';
-SELECT plan(138);
+SELECT plan(165);
 
 -- the extension
 SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
 SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
           'the extension is not relocatable');
-SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.3',
-          'extension version 1.3');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.4',
+          'extension version 1.4');
 SELECT has_schema('idempotency');
 
 -- the table
@@ -22,7 +22,7 @@ SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'idempotency.ke
 SELECT columns_are('idempotency', 'keys', ARRAY[
     'scope', 'key', 'status', 'token', 'attempt', 'fingerprint', 'response_code',
     'response_body', 'created_at', 'finished_at', 'lease_until', 'expires_at',
-    'retention', 'sweep_at']);
+    'retention', 'sweep_at', 'phase', 'phase_data', 'owner_session']);
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'scope'::name, 'text'::text, 'keys.scope is text');
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'key'::name, 'text'::text, 'keys.key is text');
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'status'::name, 'text'::text, 'keys.status is text');
@@ -37,6 +37,11 @@ SELECT col_type_is('idempotency'::name, 'keys'::name, 'lease_until'::name, 'time
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'expires_at'::name, 'timestamp with time zone'::text, 'keys.expires_at is timestamp with time zone');
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'retention'::name, 'interval'::text, 'keys.retention is interval');
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'sweep_at'::name, 'timestamp with time zone'::text, 'keys.sweep_at is timestamp with time zone');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'phase'::name, 'text'::text, 'keys.phase is text');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'phase_data'::name, 'jsonb'::text, 'keys.phase_data is jsonb');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'owner_session'::name, 'bigint'::text, 'keys.owner_session is bigint');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'phase'::name, 'keys.phase is nullable (no checkpoint)');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'owner_session'::name, 'keys.owner_session is nullable (not session-bound)');
 SELECT is((SELECT c.collname::text FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
             WHERE a.attrelid = 'idempotency.keys'::regclass AND a.attname = 'scope'),
           'C', 'scope compares byte for byte (COLLATE "C")');
@@ -59,6 +64,10 @@ SELECT has_pk('idempotency', 'keys', 'keys has a primary key');
 SELECT col_is_pk('idempotency', 'keys', ARRAY['scope', 'key'], 'the primary key is (scope, key)');
 SELECT has_index('idempotency', 'keys', 'keys_sweep_at_idx', 'sweep_at',
                  'keys_sweep_at_idx indexes sweep_at');
+SELECT is((SELECT indexdef FROM pg_indexes
+            WHERE schemaname = 'idempotency' AND indexname = 'keys_owner_session_idx'),
+          'CREATE INDEX keys_owner_session_idx ON idempotency.keys USING btree (owner_session) WHERE (owner_session IS NOT NULL)',
+          'keys_owner_session_idx indexes only the keys bound to a session');
 SELECT is((SELECT count(*)::int FROM pg_trigger WHERE tgrelid = 'idempotency.keys'::regclass), 0,
           'no triggers on keys');
 
@@ -90,8 +99,8 @@ SELECT has_composite('idempotency', 'claim_result', 'composite type idempotency.
 SELECT is((SELECT string_agg(attname || ' ' || format_type(atttypid, atttypmod), ', ' ORDER BY attnum)
              FROM pg_attribute
             WHERE attrelid = 'idempotency.claim_result'::regclass AND attnum > 0 AND NOT attisdropped),
-          'outcome text, token bigint, attempt integer, status text, response_code integer, response_body jsonb, retry_after integer',
-          'claim_result: outcome, token, attempt, status, response_code, response_body, retry_after');
+          'outcome text, token bigint, attempt integer, status text, response_code integer, response_body jsonb, retry_after integer, phase text, phase_data jsonb',
+          'claim_result: outcome, token, attempt, status, response_code, response_body, retry_after, phase, phase_data');
 SELECT is((SELECT count(*)::int FROM pg_depend
             WHERE classid = 'pg_type'::regclass AND objid = 'idempotency.claim_result'::regtype
               AND refclassid = 'pg_extension'::regclass AND deptype = 'e'
@@ -100,7 +109,7 @@ SELECT is((SELECT count(*)::int FROM pg_depend
 
 -- the functions: exact argument lists (names, types, defaults)
 SELECT has_function('idempotency', 'idem_claim',
-                    ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
+                    ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean']);
 SELECT has_function('idempotency', 'idem_finish',
                     ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
 SELECT has_function('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
@@ -108,11 +117,16 @@ SELECT has_function('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text
 SELECT has_function('idempotency', 'idem_lookup', ARRAY['text', 'text']);
 SELECT has_function('idempotency', 'idem_sweep', ARRAY['integer']);
 SELECT has_function('idempotency', 'idem_version', ARRAY[]::name[]);
+SELECT has_function('idempotency', 'idem_checkpoint', ARRAY['text', 'bigint', 'text', 'jsonb', 'text']);
+SELECT has_function('idempotency', 'idem_claim_many',
+                    ARRAY['text[]', 'jsonb[]', 'text', 'interval', 'interval', 'boolean']);
+SELECT has_function('idempotency', 'idem_finish_many',
+                    ARRAY['text[]', 'bigint[]', 'integer[]', 'jsonb[]', 'text', 'text', 'interval']);
 SELECT is((SELECT count(*)::int FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'), 7,
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'), 10,
           'one function of each name: no overloads');
-SELECT is(pg_get_function_arguments('idempotency.idem_claim(text,jsonb,text,interval,interval,interval)'::regprocedure),
-          'key text, request jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, lease interval DEFAULT NULL::interval, retention interval DEFAULT NULL::interval, wait interval DEFAULT ''00:00:00''::interval',
+SELECT is(pg_get_function_arguments('idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean)'::regprocedure),
+          'key text, request jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, lease interval DEFAULT NULL::interval, retention interval DEFAULT NULL::interval, wait interval DEFAULT ''00:00:00''::interval, session_bound boolean DEFAULT false',
           'idem_claim arguments and defaults');
 SELECT is(pg_get_function_arguments('idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval)'::regprocedure),
           'key text, token bigint, response_code integer DEFAULT NULL::integer, response_body jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, status text DEFAULT ''succeeded''::text, retention interval DEFAULT NULL::interval',
@@ -129,9 +143,18 @@ SELECT is(pg_get_function_arguments('idempotency.idem_lookup(text,text)'::regpro
 SELECT is(pg_get_function_arguments('idempotency.idem_sweep(integer)'::regprocedure),
           'batch_size integer DEFAULT NULL::integer',
           'idem_sweep arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_checkpoint(text,bigint,text,jsonb,text)'::regprocedure),
+          'key text, token bigint, phase text, data jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text',
+          'idem_checkpoint arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_claim_many(text[],jsonb[],text,interval,interval,boolean)'::regprocedure),
+          'keys text[], requests jsonb[] DEFAULT NULL::jsonb[], scope text DEFAULT ''''::text, lease interval DEFAULT NULL::interval, retention interval DEFAULT NULL::interval, session_bound boolean DEFAULT false',
+          'idem_claim_many arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval)'::regprocedure),
+          'keys text[], tokens bigint[], response_codes integer[] DEFAULT NULL::integer[], response_bodies jsonb[] DEFAULT NULL::jsonb[], scope text DEFAULT ''''::text, status text DEFAULT ''succeeded''::text, retention interval DEFAULT NULL::interval',
+          'idem_finish_many arguments and defaults');
 
 -- return types
-SELECT is(pg_get_function_result('idempotency.idem_claim(text,jsonb,text,interval,interval,interval)'::regprocedure),
+SELECT is(pg_get_function_result('idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean)'::regprocedure),
           'SETOF idempotency.claim_result',
           'idem_claim returns its outcome row, of type claim_result');
 SELECT function_returns('idempotency', 'idem_finish',
@@ -141,36 +164,55 @@ SELECT function_returns('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'i
                         'timestamp with time zone');
 SELECT function_returns('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'void');
 SELECT is(pg_get_function_result('idempotency.idem_lookup(text,text)'::regprocedure),
-          'TABLE(status text, attempt integer, response_code integer, response_body jsonb, created_at timestamp with time zone, finished_at timestamp with time zone, expires_at timestamp with time zone)',
+          'TABLE(status text, attempt integer, response_code integer, response_body jsonb, created_at timestamp with time zone, finished_at timestamp with time zone, expires_at timestamp with time zone, phase text)',
           'idem_lookup returns the key''s state');
 SELECT is(pg_get_function_result('idempotency.idem_sweep(integer)'::regprocedure),
           'TABLE(expired bigint, reset bigint)',
           'idem_sweep returns (expired, reset)');
 SELECT function_returns('idempotency', 'idem_version', ARRAY[]::name[], 'text');
+SELECT function_returns('idempotency', 'idem_checkpoint', ARRAY['text', 'bigint', 'text', 'jsonb', 'text'], 'void');
+SELECT is(pg_get_function_result('idempotency.idem_claim_many(text[],jsonb[],text,interval,interval,boolean)'::regprocedure),
+          'TABLE(ord integer, key text, outcome text, token bigint, attempt integer, status text, response_code integer, response_body jsonb, retry_after integer, phase text, phase_data jsonb)',
+          'idem_claim_many returns one numbered outcome row per key');
+SELECT is(pg_get_function_result('idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval)'::regprocedure),
+          'TABLE(ord integer, key text, expires_at timestamp with time zone)',
+          'idem_finish_many returns one numbered expiry per key');
+SELECT function_lang_is('idempotency', 'idem_checkpoint', ARRAY['text', 'bigint', 'text', 'jsonb', 'text'], 'c');
+SELECT function_lang_is('idempotency', 'idem_claim_many', ARRAY['text[]', 'jsonb[]', 'text', 'interval', 'interval', 'boolean'], 'c');
+SELECT function_lang_is('idempotency', 'idem_finish_many', ARRAY['text[]', 'bigint[]', 'integer[]', 'jsonb[]', 'text', 'text', 'interval'], 'c');
+SELECT isnt_definer('idempotency', 'idem_checkpoint', ARRAY['text', 'bigint', 'text', 'jsonb', 'text']);
+SELECT isnt_definer('idempotency', 'idem_claim_many', ARRAY['text[]', 'jsonb[]', 'text', 'interval', 'interval', 'boolean']);
+SELECT isnt_definer('idempotency', 'idem_finish_many', ARRAY['text[]', 'bigint[]', 'integer[]', 'jsonb[]', 'text', 'text', 'interval']);
+SELECT isnt_strict('idempotency', 'idem_checkpoint', ARRAY['text', 'bigint', 'text', 'jsonb', 'text']);
+SELECT isnt_strict('idempotency', 'idem_claim_many', ARRAY['text[]', 'jsonb[]', 'text', 'interval', 'interval', 'boolean']);
+SELECT isnt_strict('idempotency', 'idem_finish_many', ARRAY['text[]', 'bigint[]', 'integer[]', 'jsonb[]', 'text', 'text', 'interval']);
+SELECT volatility_is('idempotency', 'idem_checkpoint', ARRAY['text', 'bigint', 'text', 'jsonb', 'text'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_claim_many', ARRAY['text[]', 'jsonb[]', 'text', 'interval', 'interval', 'boolean'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_finish_many', ARRAY['text[]', 'bigint[]', 'integer[]', 'jsonb[]', 'text', 'text', 'interval'], 'volatile');
 
 -- properties: C, not SECURITY DEFINER, not STRICT (NULL arguments raise
 -- 22004 rather than silently returning nothing), volatility, parallel
-SELECT function_lang_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval'], 'c');
+SELECT function_lang_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean'], 'c');
 SELECT function_lang_is('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval'], 'c');
 SELECT function_lang_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_lookup', ARRAY['text', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_sweep', ARRAY['integer'], 'c');
 SELECT function_lang_is('idempotency', 'idem_version', ARRAY[]::name[], 'c');
-SELECT isnt_definer('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
+SELECT isnt_definer('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean']);
 SELECT isnt_definer('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
 SELECT isnt_definer('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
 SELECT isnt_definer('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
 SELECT isnt_definer('idempotency', 'idem_lookup', ARRAY['text', 'text']);
 SELECT isnt_definer('idempotency', 'idem_sweep', ARRAY['integer']);
 SELECT isnt_definer('idempotency', 'idem_version', ARRAY[]::name[]);
-SELECT isnt_strict('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval']);
+SELECT isnt_strict('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean']);
 SELECT isnt_strict('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval']);
 SELECT isnt_strict('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
 SELECT isnt_strict('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
 SELECT isnt_strict('idempotency', 'idem_lookup', ARRAY['text', 'text']);
 SELECT isnt_strict('idempotency', 'idem_sweep', ARRAY['integer']);
-SELECT volatility_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'volatile');
@@ -180,21 +222,22 @@ SELECT volatility_is('idempotency', 'idem_version', ARRAY[]::name[], 'stable');
 SELECT is((SELECT array_agg(p.proname::text || ':' || p.proparallel::text ORDER BY p.proname)
              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
-          ARRAY['idem_claim:u', 'idem_extend:u', 'idem_finish:u', 'idem_lookup:r',
+          ARRAY['idem_checkpoint:u', 'idem_claim:u', 'idem_claim_many:u', 'idem_extend:u',
+                'idem_finish:u', 'idem_finish_many:u', 'idem_lookup:r',
                 'idem_release:u', 'idem_sweep:u', 'idem_version:s'],
           'writers are PARALLEL UNSAFE, lookup PARALLEL RESTRICTED, idem_version PARALLEL SAFE');
 SELECT is((SELECT array_agg(p.proname::text ORDER BY p.proname)
              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%' AND p.proretset),
-          ARRAY['idem_claim', 'idem_lookup', 'idem_sweep'],
-          'claim, lookup and sweep return rows');
+          ARRAY['idem_claim', 'idem_claim_many', 'idem_finish_many', 'idem_lookup', 'idem_sweep'],
+          'claim, the batches, lookup and sweep return rows');
 SELECT is((SELECT array_agg(DISTINCT p.probin) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
           ARRAY['$libdir/idempotency'], 'all functions live in $libdir/idempotency');
 SELECT is((SELECT array_agg(p.prosrc ORDER BY p.prosrc) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
-          ARRAY['idem_claim', 'idem_extend', 'idem_finish', 'idem_lookup', 'idem_release', 'idem_sweep',
-                'idem_version'],
+          ARRAY['idem_checkpoint', 'idem_claim', 'idem_claim_many', 'idem_extend', 'idem_finish',
+                'idem_finish_many', 'idem_lookup', 'idem_release', 'idem_sweep', 'idem_version'],
           'each function has the C symbol of its name');
 
 -- the stats view, the operations functions and the tenant bindings
@@ -202,7 +245,7 @@ SELECT has_view('idempotency', 'stats', 'view idempotency.stats exists');
 SELECT columns_are('idempotency', 'stats', ARRAY[
     'database', 'claims', 'takeovers', 'replays', 'in_progress', 'mismatches', 'finishes',
     'releases', 'expired', 'reset', 'last_sweep_at', 'last_sweep_ms',
-    'pending', 'succeeded', 'failed', 'key_counts_exact']);
+    'pending', 'succeeded', 'failed', 'key_counts_exact', 'checkpoints']);
 SELECT col_type_is('idempotency'::name, 'stats'::name, 'key_counts_exact'::name, 'boolean'::text,
                    'stats.key_counts_exact is boolean');
 SELECT has_function('idempotency', 'stats_key_counts', ARRAY[]::name[]);
@@ -257,7 +300,7 @@ BEGIN
 END
 $$;
 SELECT is((SELECT outcome FROM declared), 'mismatch', 'a variable of type claim_result holds an outcome row');
-SELECT is(idempotency.idem_version(), '1.3.0', 'idem_version() names the loaded library, 1.3.0');
+SELECT is(idempotency.idem_version(), '1.4.0', 'idem_version() names the loaded library, 1.4.0');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
