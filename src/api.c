@@ -1041,14 +1041,15 @@ token_call_end(const TokenCall *call)
 /*
  * Finish the key of "call" (arguments checked): store the result unless
  * the key was finished with this same token already.  Returns the key's
- * expiry.
+ * expiry; *wrote says whether it stored the result (the caller counts it).
  */
 static TimestampTz
 finish_key(TokenCall *call, IdemStatus status, bool has_code, int32 code,
-		   Datum body, Interval *retention)
+		   Datum body, Interval *retention, bool *wrote)
 {
 	TimestampTz expires_at;
 
+	*wrote = false;
 	if (!token_call_begin(call))
 	{
 		idem_key_unlock(call->hash);
@@ -1059,7 +1060,7 @@ finish_key(TokenCall *call, IdemStatus status, bool has_code, int32 code,
 	idem_write_finish(&call->row, status, has_code, code, body, call->now,
 					  expires_at);
 	token_call_end(call);
-	idem_stats_count(IDEM_STAT_FINISHES, 1);
+	*wrote = true;
 	return expires_at;
 }
 
@@ -1074,6 +1075,8 @@ idem_finish(PG_FUNCTION_ARGS)
 	Datum		body;
 	IdemStatus	status;
 	Interval   *retention;
+	TimestampTz expires_at;
+	bool		wrote;
 
 	token_call_args(fcinfo, CALL_FINISH, 0, 4, &call);
 	body = arg_body(fcinfo, 3, "response_body");
@@ -1081,9 +1084,12 @@ idem_finish(PG_FUNCTION_ARGS)
 	retention = arg_interval(fcinfo, 6);
 	check_positive(retention, "retention");
 
-	PG_RETURN_TIMESTAMPTZ(finish_key(&call, status, !PG_ARGISNULL(2),
-									 PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2),
-									 body, retention));
+	expires_at = finish_key(&call, status, !PG_ARGISNULL(2),
+							PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2),
+							body, retention, &wrote);
+	if (wrote)
+		idem_stats_count(IDEM_STAT_FINISHES, 1);
+	PG_RETURN_TIMESTAMPTZ(expires_at);
 }
 
 /* Name the batch element an error is about (an error context callback). */
@@ -1120,6 +1126,7 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	Interval   *retention;
 	ErrorContextCallback errcb;
 	TokenCall	call;
+	int64		finished = 0;
 
 	arg_array(fcinfo, 0, "keys", true, TEXTOID, &keys);
 	arg_array(fcinfo, 1, "tokens", true, INT8OID, &tokens);
@@ -1158,6 +1165,7 @@ idem_finish_many(PG_FUNCTION_ARGS)
 		Datum		values[3];
 		bool		nulls[3] = {0};
 		bool		has_code = codes.given && !codes.nulls[i];
+		bool		wrote;
 
 		CHECK_FOR_INTERRUPTS();
 		memset(&call, 0, sizeof(TokenCall));
@@ -1173,11 +1181,14 @@ idem_finish_many(PG_FUNCTION_ARGS)
 					   has_code ? DatumGetInt32(codes.elems[i]) : 0,
 					   (bodies.given && !bodies.nulls[i]) ?
 					   bodies.elems[i] : (Datum) 0,
-					   retention));
+					   retention, &wrote));
+		finished += wrote;
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
 							 nulls);
 	}
 	error_context_stack = errcb.previous;
+	/* counted once all are done: a refused batch finished nothing */
+	idem_stats_count(IDEM_STAT_FINISHES, finished);
 	PG_RETURN_VOID();
 }
 
