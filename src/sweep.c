@@ -148,10 +148,13 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
  * which holds only keys still bound to a session, so it reads nothing
  * else.  It goes through the index SESSION_SCAN_CHUNK rows at a time, in
  * session order, and asks each session's liveness once per chunk (the
- * index returns a session's keys together).  Returns true when it stopped
- * before the end: the batch filled, or a session's keys ran over the end of
- * a chunk (the next chunk starts after that session, so the caller looks
- * again from the start next time).
+ * index returns a session's keys together).  When an ended session's keys
+ * run over the end of a chunk, the next chunk starts at that session again
+ * (the keys reset meanwhile are no longer in the index); a chunk that
+ * changed none of them moves on past it.  Returns true when it stopped
+ * before the end: the batch filled, or keys of an ended session were left
+ * (skipped, because others were changing them), so that the caller looks
+ * again next time.
  */
 static bool
 sweep_ended_sessions(MemoryContext cxt, TimestampTz now, int batch,
@@ -168,6 +171,7 @@ sweep_ended_sessions(MemoryContext cxt, TimestampTz now, int batch,
 		int64	   *sessions;
 		int			n;
 		int			ndead = 0;
+		int			progress = 0;
 		int64		last = 0;
 		bool		last_alive = true;
 		MemoryContext old;
@@ -195,17 +199,18 @@ sweep_ended_sessions(MemoryContext cxt, TimestampTz now, int batch,
 			 i += SWEEP_CHUNK)
 		{
 			CHECK_FOR_INTERRUPTS();
-			(void) sweep_chunk(&tids[i], &scopes[i], &keys[i],
-							   Min(SWEEP_CHUNK, ndead - i), now, batch, true,
-							   expired, reset);
+			progress += sweep_chunk(&tids[i], &scopes[i], &keys[i],
+									Min(SWEEP_CHUNK, ndead - i), now, batch,
+									true, expired, reset);
 		}
 		if (ndead > 0 && (*expired >= batch || *reset >= batch))
 			return true;
+		unfinished = unfinished || progress < ndead;
 		if (n < SESSION_SCAN_CHUNK)
 			break;
 		/* the last session's keys may go on in the next chunk */
-		unfinished = unfinished || !last_alive;
-		after = sessions[n - 1];
+		after = (!last_alive && progress > 0) ? sessions[n - 1] - 1 :
+			sessions[n - 1];
 	}
 	return unfinished;
 }
