@@ -37,23 +37,6 @@ sub lookup_summary
 		  . "FROM idempotency.idem_lookup('$key')");
 }
 
-# kill -9 one backend; wait until the postmaster has reinitialized, recovered
-# and accepts connections again.
-sub kill_backend
-{
-	my ($pid, $what) = @_;
-	my $offset = -s $node->logfile;
-	is(kill('KILL', $pid), 1, "$what: kill -9 sent to backend $pid");
-	# "server process" up to PostgreSQL 17, "client backend" from 18
-	$node->wait_for_log(
-		qr/(?:server process|client backend) \(PID $pid\) was terminated by signal 9.*all server processes terminated; reinitializing.*automatic recovery in progress.*database system is ready to accept connections/s,
-		$offset);
-	ok($node->poll_query_until('postgres', 'SELECT 1', '1'),
-		"$what: the server accepts connections after crash recovery");
-	isnt(sql("SELECT count(*) FROM pg_stat_activity WHERE pid = $pid"),
-		'1', "$what: the killed backend is gone");
-}
-
 my $done_body   = q{'{"charge": "ch_1", "amount": 4200}'};
 my $failed_body = q{'{"error": "card declined"}'};
 my $late_body   = q{'{"from": "the dead session"}'};
@@ -140,7 +123,7 @@ is(sql("SELECT count(*) FROM idempotency.idem_lookup('fresh')"),
 is(lookup_summary('pend-fin'), 'pending,1,null',
 	'open txn: lookup does not see the uncommitted finish');
 
-kill_backend($sa_pid, 'in-transaction claim');
+kill_backend($node, $sa_pid, 'in-transaction claim');
 eval { $sa->quit; };
 
 # The killed transaction left no trace.
@@ -248,7 +231,7 @@ is($sb_long->{outcome}, 'claimed', 'autocommit: auto-long claimed');
 push @tokens, $sb_auto->{token}, $sb_long->{token};
 
 # The process dies with the external side effect still running.
-kill_backend($sb_pid, 'autocommit claim');
+kill_backend($node, $sb_pid, 'autocommit claim');
 eval { $sb->quit; };
 
 is(lookup_summary('auto'),      'pending,1,null', 'after kill: auto is pending, attempt 1');
@@ -324,7 +307,7 @@ is(sql("SELECT count(*) FROM idempotency.idem_lookup('mid')"), '0',
 $c = claim($node, 'postgres', "'mid'");
 is($c->{outcome}, 'in_progress', 'mid-statement: others get in_progress');
 
-kill_backend($m_pid, 'running statement');
+kill_backend($node, $m_pid, 'running statement');
 eval { $m->quit; };
 
 is(sql("SELECT count(*) FROM idempotency.keys WHERE key = 'mid'"), '0',

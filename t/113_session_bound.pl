@@ -73,15 +73,6 @@ sub bound_claim
 		"SELECT $CLAIM_COLS FROM idempotency.idem_claim($args, session_bound => true)"));
 }
 
-# Until the backend $pid has ended: out of pg_stat_activity, no lock left.
-sub backend_gone
-{
-	my ($pid) = @_;
-	return $node->poll_query_until('postgres',
-		    "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $pid) "
-		  . "AND NOT EXISTS (SELECT FROM pg_locks WHERE pid = $pid)");
-}
-
 # The binding number whose lock backend $pid holds ('' when none).
 sub binding_of
 {
@@ -97,21 +88,6 @@ sub key_state
 	return sql("SELECT concat_ws(',', status, attempt, token IS NULL, "
 		  . "coalesce(owner_session::text, 'none')) FROM idempotency.keys "
 		  . "WHERE scope = '' AND key = '$key'");
-}
-
-# kill -9 one backend; wait until the postmaster has reinitialized, recovered
-# and accepts connections again.
-sub kill_backend
-{
-	my ($pid, $what) = @_;
-	my $offset = -s $node->logfile;
-	is(kill('KILL', $pid), 1, "$what: kill -9 sent to backend $pid");
-	# "server process" up to PostgreSQL 17, "client backend" from 18
-	$node->wait_for_log(
-		qr/(?:server process|client backend) \(PID $pid\) was terminated by signal 9.*all server processes terminated; reinitializing.*database system is ready to accept connections/s,
-		$offset);
-	ok($node->poll_query_until('postgres', 'SELECT 1', '1'),
-		"$what: the server accepts connections after crash recovery");
 }
 
 # The owner of key $key is gone: the next claim takes it over at once, as
@@ -164,7 +140,7 @@ is(claim($node, 'postgres', "'client-killed'")->{outcome}, 'in_progress',
 # reading from it, sees the connection close and exits.
 $s->{run}->signal('KILL');
 eval { $s->{run}->finish; };
-ok(backend_gone($pid), 'client killed: the backend has ended');
+ok(backend_gone($node, $pid), 'client killed: the backend has ended');
 taken_over_at_once('client-killed', $c, 'client killed');
 
 ###############################################################################
@@ -174,7 +150,7 @@ taken_over_at_once('client-killed', $c, 'client killed');
 $c = bound_claim($s, "'terminated', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'terminated: claimed, session-bound');
 is(sql("SELECT pg_terminate_backend($pid)"), 't', 'terminated: pg_terminate_backend');
-ok(backend_gone($pid), 'terminated: the backend has ended');
+ok(backend_gone($node, $pid), 'terminated: the backend has ended');
 eval { $s->quit; };
 taken_over_at_once('terminated', $c, 'terminated');
 
@@ -217,7 +193,7 @@ cmp_ok($elapsed, '<', 10,
 	'waiter: it returned within seconds of the owner\'s end, not after its 60 s wait');
 $w->quit;
 eval { $s->quit; };
-ok(backend_gone($pid), 'waiter: the owner\'s backend has ended');
+ok(backend_gone($node, $pid), 'waiter: the owner\'s backend has ended');
 is(key_state('waited'), 'pending,2,f,none', 'waiter: the key is the waiter\'s claim');
 
 ###############################################################################
@@ -269,7 +245,7 @@ is(binding_of($pid), $binding, 'live: the session keeps its binding lock until i
 
 # A clean disconnect after finishing everything leaves nothing behind.
 $s->quit;
-ok(backend_gone($pid), 'live: the owner disconnected');
+ok(backend_gone($node, $pid), 'live: the owner disconnected');
 is(key_rows($node, 'postgres', "'live-1', 'live-2', 'live-3'"), $live_rows,
 	'live: the disconnect changed no key');
 is( sql("SELECT count(*) FROM idempotency.keys WHERE key LIKE 'live-%' "
@@ -313,7 +289,7 @@ is(claim($node, 'postgres', "'m-77'")->{outcome}, 'in_progress',
 	'batch: in progress for others while the owner lives');
 
 is(sql("SELECT pg_terminate_backend($pid)"), 't', 'batch: the owner is terminated');
-ok(backend_gone($pid), 'batch: the owner\'s backend has ended');
+ok(backend_gone($node, $pid), 'batch: the owner\'s backend has ended');
 eval { $s->quit; };
 is( sql("SELECT count(*) FILTER (WHERE outcome = 'claimed' AND attempt = 2) || ',' "
 		  . "|| count(*) FROM idempotency.idem_claim_many($many_keys, lease => '1 hour')"),
@@ -353,7 +329,7 @@ is( $s->query_safe(
 		  . "ARRAY(SELECT 'c-' || i FROM generate_series(1, 9000) AS i), session_bound => true)"),
 	'9000', 'chunks: 9000 session-bound keys claimed');
 is(sql("SELECT pg_terminate_backend($pid)"), 't', 'chunks: the owner is terminated');
-ok(backend_gone($pid), 'chunks: the owner\'s backend has ended');
+ok(backend_gone($node, $pid), 'chunks: the owner\'s backend has ended');
 eval { $s->quit; };
 is(sql('SELECT expired || \'|\' || reset FROM idempotency.idem_sweep(batch_size => 100000)'),
 	'0|9000', 'chunks: one idem_sweep() resets all 9000, across index reads');
@@ -364,7 +340,7 @@ is(sql('SELECT expired || \'|\' || reset FROM idempotency.idem_sweep(batch_size 
 ($s, $pid) = owner();
 $c = bound_claim($s, "'backend-killed', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'backend killed: claimed, session-bound');
-kill_backend($pid, 'backend killed');
+kill_backend($node, $pid, 'backend killed');
 eval { $s->quit; };
 taken_over_at_once('backend-killed', $c, 'backend killed');
 
@@ -380,7 +356,7 @@ ok($node->poll_query_until('postgres',
 ($s, $pid) = owner();
 $c = bound_claim($s, "'worker-crash', lease => '1 hour'");
 is($c->{outcome}, 'claimed', 'worker, backend killed: claimed, session-bound');
-kill_backend($pid, 'worker, backend killed');
+kill_backend($node, $pid, 'worker, backend killed');
 eval { $s->quit; };
 ok( $node->poll_query_until('postgres',
 		"SELECT token IS NULL FROM idempotency.keys WHERE key = 'worker-crash'"),
@@ -403,7 +379,7 @@ foreach my $k (qw(worker-dead-1 worker-dead-2))
 	is($c->{outcome}, 'claimed', "worker: the doomed owner claimed $k");
 }
 is(sql("SELECT pg_terminate_backend($pid)"), 't', 'worker: the doomed owner is terminated');
-ok(backend_gone($pid), 'worker: its backend has ended');
+ok(backend_gone($node, $pid), 'worker: its backend has ended');
 eval { $s->quit; };
 ok( $node->poll_query_until('postgres',
 		    "SELECT bool_and(token IS NULL) FROM idempotency.keys "

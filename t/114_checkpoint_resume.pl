@@ -130,15 +130,6 @@ sub lookup
 		  . "FROM idempotency.idem_lookup('$key')");
 }
 
-# Until the backend $pid has ended: out of pg_stat_activity, no lock left.
-sub backend_gone
-{
-	my ($pid) = @_;
-	return $node->poll_query_until('postgres',
-		    "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $pid) "
-		  . "AND NOT EXISTS (SELECT FROM pg_locks WHERE pid = $pid)");
-}
-
 # The old owner $old of job $key is dead: its checkpoint and finish raise
 # 55006 and change nothing.
 sub dead_token
@@ -167,7 +158,7 @@ is(lookup('job-a'), 'pending,1,step-1', 'lease: lookup shows the checkpoint step
 # The client dies before step 2.
 $s->{run}->signal('KILL');
 eval { $s->{run}->finish; };
-ok(backend_gone($pid), 'lease: the first owner\'s backend has ended');
+ok(backend_gone($node, $pid), 'lease: the first owner\'s backend has ended');
 ok(wait_lease_over($node, 'postgres', '', 'job-a'), 'lease: its lease has ended');
 
 my $old = $c;
@@ -194,7 +185,7 @@ is_deeply([ @$c{qw(outcome attempt phase)} ], [ 'claimed', 1, 'none' ],
 	'bound: the first owner claims attempt 1');
 is(resume($s, 'job-b', $c, 'step-1'), 'step-1', 'bound: the first owner runs step 1');
 is(sql("SELECT pg_terminate_backend($pid)"), 't', 'bound: the first owner is terminated');
-ok(backend_gone($pid), 'bound: its backend has ended');
+ok(backend_gone($node, $pid), 'bound: its backend has ended');
 eval { $s->quit; };
 
 my $first = $c;
@@ -208,7 +199,7 @@ is(resume($s, 'job-b', $c, 'step-2'), 'step-2', 'bound: the second owner runs st
 # The second owner's client dies too.
 $s->{run}->signal('KILL');
 eval { $s->{run}->finish; };
-ok(backend_gone($pid), 'bound: the second owner\'s backend has ended');
+ok(backend_gone($node, $pid), 'bound: the second owner\'s backend has ended');
 
 my $second = $c;
 ($s, $pid) = session();

@@ -32,7 +32,8 @@ our @EXPORT = qw(
   $CLAIM_SIG catalog_queries grant_claim_per_role revoke_claim_per_role
   stale_initacl_deps
   wait_lease_over wait_past_retention wait_commits wait_next_sweep
-  launcher_pid restart_launcher fail_sweeps_in log_errors);
+  launcher_pid restart_launcher fail_sweeps_in log_errors
+  kill_backend backend_gone);
 
 # --- servers -------------------------------------------------------------------
 
@@ -498,6 +499,38 @@ sub log_errors
 	my $own = basename($0);
 	return join "\n", grep { /$pattern/ && !/\Q$own\E/ }
 	  split /\n/, slurp_file($node->logfile, $opt{offset});
+}
+
+# --- backends --------------------------------------------------------------------
+
+# kill -9 the backend $pid of $node; wait until the postmaster has
+# reinitialized, recovered and accepts connections again.
+sub kill_backend
+{
+	my ($node, $pid, $what) = @_;
+	my $offset = -s $node->logfile;
+	Test::More::is(kill('KILL', $pid), 1, "$what: kill -9 sent to backend $pid");
+	# "server process" up to PostgreSQL 17, "client backend" from 18
+	$node->wait_for_log(
+		qr/(?:server process|client backend) \(PID $pid\) was terminated by signal 9.*all server processes terminated; reinitializing.*automatic recovery in progress.*database system is ready to accept connections/s,
+		$offset);
+	Test::More::ok($node->poll_query_until('postgres', 'SELECT 1', '1'),
+		"$what: the server accepts connections after crash recovery");
+	Test::More::isnt(
+		$node->safe_psql('postgres',
+			"SELECT count(*) FROM pg_stat_activity WHERE pid = $pid"),
+		'1', "$what: the killed backend is gone");
+	return;
+}
+
+# Until the backend $pid of $node has ended: out of pg_stat_activity, and no
+# lock of it left.  True once it has (false if it never does).
+sub backend_gone
+{
+	my ($node, $pid) = @_;
+	return $node->poll_query_until('postgres',
+		    "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $pid) "
+		  . "AND NOT EXISTS (SELECT FROM pg_locks WHERE pid = $pid)");
 }
 
 1;
