@@ -1,4 +1,5 @@
--- schema.sql: the queue consumer's tables.  Run once as a superuser:
+-- schema.sql: the tables of the queue consumer (consumer.py) and of the
+-- checkout job (checkout.py).  Run once as a superuser:
 --   psql -v ON_ERROR_STOP=1 -f schema.sql
 
 CREATE EXTENSION IF NOT EXISTS idempotency;
@@ -67,6 +68,28 @@ CREATE TABLE IF NOT EXISTS work_log (
 	at			timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 
+-- checkout.py's two steps: one payment, then one shipment per order.  Again
+-- no unique constraint on order_id: a second charge or shipment would be
+-- counted, not hidden.  attempt is the attempt that wrote the row.
+CREATE TABLE IF NOT EXISTS payments (
+	payment_id	bigserial PRIMARY KEY,
+	order_id	text NOT NULL,
+	account		text NOT NULL,
+	amount		bigint NOT NULL,
+	worker		text NOT NULL,
+	attempt		integer NOT NULL,
+	at			timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS shipments (
+	shipment_id	bigserial PRIMARY KEY,
+	order_id	text NOT NULL,
+	payment_id	bigint NOT NULL,
+	worker		text NOT NULL,
+	attempt		integer NOT NULL,
+	at			timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
 GRANT SELECT, INSERT, UPDATE, DELETE ON queue TO ledger_consumer;
+GRANT SELECT, INSERT ON payments, shipments TO ledger_consumer;
 GRANT SELECT, INSERT ON ledger, dead_letters, delivery_log, work_log TO ledger_consumer;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO ledger_consumer;

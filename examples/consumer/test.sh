@@ -7,8 +7,8 @@
 # installed, and a python3 with psycopg 3 and psycopg-pool (Debian: apt-get
 # install python3-psycopg python3-psycopg-pool).  The consumer uses the
 # pg_idempotency package from ../../clients/python/src.  Creates a fresh
-# database idem_example_consumer and runs the unittest suite, which starts
-# consumer processes of its own.
+# database idem_example_consumer and runs the unittest suites, which start
+# consumer and checkout worker processes of their own.
 set -eu
 cd "$(dirname "$0")"
 PYTHONPATH=$(cd ../../clients/python/src && pwd)${PYTHONPATH:+:$PYTHONPATH}
@@ -38,4 +38,4 @@ psql -X -q -v ON_ERROR_STOP=1 -d "$ADMIN_DB" \
 	-c "CREATE DATABASE $DB"
 PGDATABASE=$DB psql -X -q -v ON_ERROR_STOP=1 -f schema.sql
 
-PGDATABASE=$DB exec "$PYTHON" -m unittest -v test_consumer
+PGDATABASE=$DB exec "$PYTHON" -m unittest -v test_consumer test_checkout

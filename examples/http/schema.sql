@@ -27,3 +27,14 @@ CREATE TABLE IF NOT EXISTS orders (
 );
 GRANT SELECT, INSERT ON orders TO payments_app;
 GRANT USAGE ON SEQUENCE orders_id_seq TO payments_app;
+
+-- The second step of the resumable endpoint (POST /checkout): one shipment per
+-- request, for the charge of its first step.  Not unique either.
+CREATE TABLE IF NOT EXISTS shipments (
+	id			bigserial PRIMARY KEY,
+	request_key	text NOT NULL,
+	charge		text NOT NULL,
+	created_at	timestamptz NOT NULL DEFAULT now()
+);
+GRANT SELECT, INSERT ON shipments TO payments_app;
+GRANT USAGE ON SEQUENCE shipments_id_seq TO payments_app;

@@ -13,7 +13,12 @@
  * Every call is one autocommit statement on whatever pool connection is free
  * (no session state spans claim and finish), so it works through PgBouncer in
  * transaction pooling mode; the transactional HTTP mode holds one connection
- * for its BEGIN ... COMMIT, as any transaction does.
+ * for its BEGIN ... COMMIT, as any transaction does, and a session-bound job
+ * (sessionBound) holds the connection of its claim until it settles.
+ *
+ * Recovery points: the attempt's checkpoint(phase, data) records a completed
+ * step with idem_checkpoint; an attempt that takes the key over gets it back
+ * as phase and phaseData, and resumes after that step.
  */
 
 const { createHash } = require('node:crypto');
@@ -40,18 +45,35 @@ const SQLSTATE = {
  * Results come back as jsonb text and are parsed here, so a pool whose jsonb
  * type parser was replaced still works, and a stored JSON body is replayed as
  * the exact text PostgreSQL keeps (no JavaScript number rounding).
+ *
+ * phase and phase_data (the checkpoint a takeover resumes from) are read
+ * through to_jsonb, so that the statement also runs on extension versions
+ * before 1.4, which have neither column (both read as NULL there); only a
+ * takeover can carry them, so no other outcome pays for the conversion.
+ * session_bound is named only when it is true, for the same reason.
  */
-const CLAIM_SQL = `
+const claimSql = (sessionBound) => `
 SELECT c.outcome, c.token::text AS token, c.attempt, c.status, c.response_code,
        (c.response_body -> 'headers')::text AS headers,
        (c.response_body -> 'json')::text AS json,
        c.response_body ->> 'base64' AS base64,
        (c.response_body -> 'error')::text AS error,
-       c.retry_after
+       c.retry_after,
+       CASE WHEN c.outcome = 'claimed' AND c.attempt > 1
+            THEN pg_catalog.to_jsonb(c) ->> 'phase' END AS phase,
+       CASE WHEN c.outcome = 'claimed' AND c.attempt > 1
+            THEN (pg_catalog.to_jsonb(c) -> 'phase_data')::text END AS phase_data
   FROM idempotency.idem_claim(key => $1, request => $2::jsonb, scope => $3,
                               lease => pg_catalog.make_interval(secs => $4::float8),
                               retention => pg_catalog.make_interval(secs => $5::float8),
-                              wait => pg_catalog.make_interval(secs => $6::float8)) AS c`;
+                              wait => pg_catalog.make_interval(secs => $6::float8)${
+	sessionBound ? ',\n                              session_bound => true' : ''}) AS c`;
+const CLAIM_SQL = claimSql(false);
+const SESSION_BOUND_CLAIM_SQL = claimSql(true);
+
+const CHECKPOINT_SQL = `
+SELECT idempotency.idem_checkpoint(key => $1, token => $2::bigint, phase => $3,
+                                   data => $4::jsonb, scope => $5)`;
 
 const FINISH_SQL = `
 SELECT (pg_catalog.date_part('epoch', f.expires_at) * 1000)::float8 AS expires_ms,
@@ -227,6 +249,51 @@ function startHeartbeat(db, { key, token, scope, lease, onLost, onBeat, log }) {
 
 const defaultLog = (message, err) => console.error(message, err ?? '');
 
+/* a takeover's checkpoint data (jsonb text), or null */
+function phaseDataOf(claim) {
+	return claim.phase_data === null || claim.phase_data === undefined
+		? null : JSON.parse(claim.phase_data);
+}
+
+/*
+ * The checkpoint(phase, data, { client }) of one attempt.  On `client` (a
+ * transaction of the caller's: the step's writes and its checkpoint commit
+ * together, or neither), else on `defaultClient` (the transactional HTTP
+ * mode's transaction), else on `db` on its own, tried again after a transient
+ * failure like the other token statements (recording the same checkpoint
+ * twice is harmless).  A lost key calls onLost and throws KeyLostError.
+ */
+function makeCheckpoint(db, { key, token, scope, defaultClient, onLost }) {
+	return async function checkpoint(phase, data, options) {
+		if (typeof phase !== 'string')
+			throw new TypeError('checkpoint(phase, data) needs the name of the completed step (a string)');
+		const params = [key, token, phase,
+			data === undefined || data === null ? null : toJsonText(data, 'the checkpoint data'), scope];
+		const client = options?.client ?? defaultClient;
+		try {
+			if (client)
+				await client.query(CHECKPOINT_SQL, params);
+			else
+				await queryWithRetry(db, CHECKPOINT_SQL, params);
+		} catch (err) {
+			if (isLostKey(err)) {
+				const lost = new KeyLostError(key, { cause: err });
+				onLost(lost);
+				throw lost;
+			}
+			throw err;
+		}
+	};
+}
+
+/*
+ * A pg.Pool (or a wrapper of one): connect() hands out a client of its own.
+ * A pg.Client has connect() too, but it connects that very client.
+ */
+function isPool(db) {
+	return typeof db.connect === 'function' && !('processID' in db);
+}
+
 /* ------------------------------------------------------------ jobs/consumers */
 
 /*
@@ -248,9 +315,53 @@ async function idempotent(pool, options, fn) {
 	const retryable = options.retryable ?? (() => true);
 	const log = options.log ?? defaultLog;
 	const request = options.request === undefined ? null : toJsonText(options.request, 'request');
+	if (options.sessionBound !== undefined && typeof options.sessionBound !== 'boolean')
+		throw new TypeError(`options.sessionBound must be a boolean, got ${String(options.sessionBound)}`);
+	const sessionBound = options.sessionBound === true;
+	const params = [key, request, scope, lease, retention, wait];
 
-	const { rows } = await pool.query(CLAIM_SQL, [key, request, scope, lease, retention, wait]);
-	const claim = rows[0];
+	/*
+	 * A session-bound claim through a pool runs on a client held until the
+	 * attempt settles: the key is bound to that session, which then lives as
+	 * long as the attempt.  Back in the pool, an idle client may be closed
+	 * (idleTimeoutMillis) and the key freed while the work still runs.
+	 */
+	let held = null;
+	let heldError;
+	let claim;
+	if (sessionBound && isPool(pool)) {
+		held = await pool.connect();
+		const onError = (err) => {
+			heldError = err;
+			log('pg-idempotency: the connection of a session-bound claim failed; ' +
+				'the key is free for another attempt', err);
+		};
+		held.on?.('error', onError);
+		const giveBack = () => {
+			held.off?.('error', onError);
+			held.release(heldError);
+			held = null;
+		};
+		try {
+			claim = (await held.query(SESSION_BOUND_CLAIM_SQL, params)).rows[0];
+		} catch (err) {
+			/* a connection error (no SQLSTATE) retires the client; a refused claim does not */
+			if (err?.code === undefined)
+				heldError = err;
+			giveBack();
+			throw err;
+		}
+		if (claim.outcome === 'claimed') {
+			try {
+				return await runClaimed(pool, claim, { key, scope, lease, retention, retryable, log }, fn);
+			} finally {
+				giveBack();
+			}
+		}
+		giveBack();
+	} else {
+		claim = (await pool.query(sessionBound ? SESSION_BOUND_CLAIM_SQL : CLAIM_SQL, params)).rows[0];
+	}
 	switch (claim.outcome) {
 		case 'replay':
 			if (claim.status === 'failed')
@@ -261,26 +372,38 @@ async function idempotent(pool, options, fn) {
 		case 'mismatch':
 			throw new MismatchError(key);
 		case 'claimed':
-			break;
+			return runClaimed(pool, claim, { key, scope, lease, retention, retryable, log }, fn);
 		default:
 			throw new IdempotencyError(`unexpected claim outcome ${claim.outcome}`);
 	}
+}
 
+/* run fn for a claimed key, keep its lease alive, then store its result or give the key back */
+async function runClaimed(pool, claim, { key, scope, lease, retention, retryable, log }, fn) {
 	const token = claim.token;
 	const attempt = claim.attempt;
 	const controller = new AbortController();
+	let lost = false;
+	const onLost = (err) => {
+		lost = true;
+		controller.abort(err);
+	};
 	const heartbeat = startHeartbeat(pool, {
 		key, token, scope, lease, log,
-		onLost: (err) => controller.abort(new KeyLostError(key, { cause: err })),
+		onLost: (err) => onLost(new KeyLostError(key, { cause: err })),
 	});
+	const checkpoint = makeCheckpoint(pool, { key, token, scope, onLost });
 
 	let value;
 	try {
-		value = await fn({ key, scope, token, attempt, signal: controller.signal });
+		value = await fn({
+			key, scope, token, attempt, signal: controller.signal,
+			phase: claim.phase ?? null, phaseData: phaseDataOf(claim), checkpoint,
+		});
 	} catch (err) {
 		await heartbeat.stop();
-		if (heartbeat.lost)
-			throw new KeyLostError(key, { cause: err });
+		if (lost)
+			throw err instanceof KeyLostError ? err : new KeyLostError(key, { cause: err });
 		if (retryable(err)) {
 			await releaseOrLost(pool, key, token, scope, err);
 			throw err;
@@ -293,7 +416,7 @@ async function idempotent(pool, options, fn) {
 		throw err;
 	}
 	await heartbeat.stop();
-	if (heartbeat.lost)
+	if (lost)
 		throw new KeyLostError(key);
 
 	let envelope;
@@ -699,14 +822,21 @@ function createEngine(options) {
 
 		const token = claim.token;
 		const controller = new AbortController();
+		let lost = false;
+		const onLost = (err) => {
+			lost = true;
+			controller.abort(err);
+		};
 		const context = {
 			key, scope, token, attempt: claim.attempt, signal: controller.signal,
 			client: client ?? undefined,
+			phase: claim.phase ?? null, phaseData: phaseDataOf(claim),
+			checkpoint: makeCheckpoint(pool, { key, token, scope, defaultClient: client, onLost }),
 		};
 		/* a transaction's claim is invisible to others until COMMIT: no lease to keep */
 		const heartbeat = transactional ? null : startHeartbeat(pool, {
 			key, token, scope, lease, log,
-			onLost: (err) => controller.abort(new KeyLostError(key, { cause: err })),
+			onLost: (err) => onLost(new KeyLostError(key, { cause: err })),
 			onBeat: options.onHeartbeat,
 		});
 		let settled = false;
@@ -721,9 +851,13 @@ function createEngine(options) {
 			headers['idempotency-key-retention'] = retentionHeader;
 			/* 204 and 304 carry no body, whatever a framework put in its payload */
 			const body = status === 204 || status === 304 ? Buffer.alloc(0) : response.body ?? Buffer.alloc(0);
-			if (heartbeat?.lost) {
+			if (lost) {
 				log(`pg-idempotency: key ${JSON.stringify(key)} was lost while its handler ran; ` +
 					'the result was not stored');
+				if (client) {
+					await discard(client);
+					client = null;
+				}
 				return lostKey();
 			}
 			let decision;

@@ -51,9 +51,43 @@ export interface IdempotentOptions {
 	retryable?: (err: unknown) => boolean;
 	/** Where unexpected heartbeat errors go. Default console.error. */
 	log?: (message: string, err?: unknown) => void;
+	/**
+	 * Tie the claim to the server session that makes it (a pool client held until the
+	 * attempt settles): if that session ends (the process died), the next claim takes the
+	 * key over at once instead of after the lease. Meaningless behind a transaction pooler
+	 * (PgBouncer in transaction mode), where the server session outlives the client. Needs
+	 * extension version 1.4. Default false.
+	 */
+	sessionBound?: boolean;
 }
 
-export interface AttemptInfo {
+export interface CheckpointOptions {
+	/**
+	 * Run on this client, inside your open transaction, so that the step's writes and the
+	 * checkpoint commit together (or neither). Default: committed on its own (in the
+	 * transactional HTTP mode: in that transaction).
+	 */
+	client?: Queryable;
+}
+
+/**
+ * Record that this attempt completed the step `phase` (e.g. 'charge_created'), with `data`
+ * (any JSON value) for the attempt that takes the key over if this one dies. A later
+ * checkpoint replaces an earlier one. Rejects with KeyLostError when another attempt owns
+ * the key. Needs extension version 1.4.
+ */
+export type Checkpoint = (phase: string, data?: unknown, options?: CheckpointOptions) => Promise<void>;
+
+/** Where an attempt resumes, and how it records its own progress. */
+export interface RecoveryPoint {
+	/** The step an earlier attempt completed (its last checkpoint) when this attempt took the key over; null on a first attempt or when none was recorded. Not changed by this attempt's own checkpoints. */
+	phase: string | null;
+	/** What that checkpoint recorded (a JSON value), or null. */
+	phaseData: JsonValue | null;
+	checkpoint: Checkpoint;
+}
+
+export interface AttemptInfo extends RecoveryPoint {
 	key: string;
 	scope: string;
 	/** Fencing token: larger for every newer attempt; pass it downstream. Decimal string of a bigint. */
@@ -126,7 +160,7 @@ export interface HttpOptions<Req> {
 }
 
 /** What req.idempotency holds while a claimed request's handler runs. */
-export interface IdempotencyContext {
+export interface IdempotencyContext extends RecoveryPoint {
 	key: string;
 	scope: string;
 	/** Fencing token (decimal string): pass it downstream with the key. */

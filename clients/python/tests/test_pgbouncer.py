@@ -191,3 +191,26 @@ def test_many_clients_share_two_server_connections(db: Any, key: str) -> None:
     pids = db.execute("SELECT count(DISTINCT pid) FROM public.key_writes WHERE key LIKE %s",
                       (key + "-%",)).fetchone()[0]
     assert pids >= 2, "the writes went through more than one server connection"
+
+
+def test_session_bound_behind_the_pooler_binds_the_poolers_session(db: Any, key: str) -> None:
+    """Behind a transaction pooler the server session belongs to the pooler
+    and outlives the client: a session-bound job still runs and finishes, but
+    a client that goes away frees nothing; the lease still does."""
+    with ConnectionPool(BOUNCER, min_size=2, max_size=2, kwargs=BOUNCER_KWARGS) as pool:
+        with idempotent(pool, key, session_bound=True) as job:
+            assert db.execute("SELECT owner_session IS NOT NULL FROM idempotency.keys "
+                              "WHERE key = %s", (key,)).fetchone()[0]
+            job.checkpoint("through the pooler")
+            job.set_result("bound to the pooler")
+    assert stored(db, key) == ("succeeded", 1, None, {"v": 1, "json": "bound to the pooler"})
+
+    key2 = key + "-gone"
+    client = psycopg.connect(BOUNCER, **BOUNCER_KWARGS)
+    token = client.execute("SELECT token FROM idempotency.idem_claim(%s, lease => '1 hour', "
+                           "session_bound => true)", (key2,)).fetchone()[0]  # type: ignore
+    client.close()
+    # the server session that holds the binding lives on in the pooler
+    assert db.execute("SELECT outcome FROM idempotency.idem_claim(%s)",
+                      (key2,)).fetchone()[0] == "in_progress"  # type: ignore[index]
+    db.execute("SELECT idempotency.idem_release(%s, %s)", (key2, token))

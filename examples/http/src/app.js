@@ -8,6 +8,10 @@
  *                   and refuses a token smaller than one it has seen.
  *   POST /orders    in-transaction mode: the order row is written in the same
  *                   transaction as the claim and the finish.
+ *   POST /checkout  two steps, resumable: charge at the processor, then ship
+ *                   (a row here).  Each completed step is a checkpoint, so a
+ *                   request that takes the key over after a crash resumes
+ *                   after the last completed step instead of starting again.
  *   GET  /healthz   liveness.
  *
  * The Idempotency-Key handling is the pg-idempotency package's Express
@@ -44,6 +48,61 @@ function validatePayment(req, res, next) {
 	return next();
 }
 
+/* the processor's key for one of our keys: its namespace is ours, so the tenant is in it */
+function processorKey(scope, key) {
+	return `${encodeURIComponent(scope)}:${encodeURIComponent(key)}`;
+}
+
+/*
+ * POST a charge to the processor with its idempotency key and our fencing
+ * token.  Resolves to { status, charge } (the processor's answer), or to
+ * { unreachable: true } when no answer came: whether it charged is unknown.
+ */
+async function chargeAtProcessor(downstreamUrl, key, token, { amount, currency }) {
+	let answer;
+	try {
+		answer = await fetch(`${downstreamUrl}/charges`, {
+			method: 'POST',
+			headers: {
+				'content-type': 'application/json',
+				'idempotency-key': JSON.stringify(key),
+				'fencing-token': token,
+			},
+			body: JSON.stringify({ amount, currency }),
+		});
+	} catch {
+		return { unreachable: true };
+	}
+	return { status: answer.status, charge: await answer.json().catch(() => ({})) };
+}
+
+/* answer a processor failure with our problem; false when the charge went through */
+function sentProcessorProblem(res, result) {
+	if (result.unreachable) {
+		/* the retry asks again, with the same processor key */
+		sendProblem(res, 502, 'processor-unreachable', 'Payment processor unreachable',
+			'The payment processor did not answer. Retry with the same Idempotency-Key.');
+		return true;
+	}
+	const { status, charge } = result;
+	if (status === 409 && charge.type?.endsWith('/stale-fencing-token')) {
+		sendProblem(res, 409, 'stale-attempt', 'Attempt superseded',
+			'A newer attempt for this Idempotency-Key reached the processor first.');
+		return true;
+	}
+	if (status >= 500) {
+		sendProblem(res, 502, 'processor-unavailable', 'Payment processor unavailable',
+			'The payment processor failed. Retry with the same Idempotency-Key.');
+		return true;
+	}
+	if (status >= 400) {
+		sendProblem(res, 402, 'payment-declined', 'Payment declined',
+			charge.detail ?? `The processor declined the charge (${status}).`);
+		return true;
+	}
+	return false;
+}
+
 function validateOrder(req, res, next) {
 	const b = req.body;
 	if (!b || typeof b.item !== 'string' || b.item.length === 0)
@@ -54,11 +113,12 @@ function validateOrder(req, res, next) {
 }
 
 /*
- * createApp({ pool, downstreamUrl, lease, retention, faults })
+ * createApp({ pool, downstreamUrl, lease, retention, faults, pause })
  *   lease, retention: seconds (the middleware's options)
  *   faults: honour the X-Simulate-Failure request header (for the tests only)
+ *   pause(point, key): what X-Simulate-Failure: pause-after-charge waits for
  */
-function createApp({ pool, downstreamUrl, lease, retention, faults = false, log }) {
+function createApp({ pool, downstreamUrl, lease, retention, faults = false, log, pause }) {
 	const app = express();
 	app.disable('x-powered-by');
 	/* the fingerprint hashes the raw body bytes: keep them */
@@ -83,34 +143,10 @@ function createApp({ pool, downstreamUrl, lease, retention, faults = false, log 
 	 */
 	app.post('/payments', validatePayment, idem, async (req, res) => {
 		const { key, scope, token } = req.idempotency;
-		let answer;
-		try {
-			answer = await fetch(`${downstreamUrl}/charges`, {
-				method: 'POST',
-				headers: {
-					'content-type': 'application/json',
-					/* the processor's key namespace is ours: prefix the tenant */
-					'idempotency-key': JSON.stringify(
-						`${encodeURIComponent(scope)}:${encodeURIComponent(key)}`),
-					'fencing-token': token,
-				},
-				body: JSON.stringify({ amount: req.body.amount, currency: req.body.currency }),
-			});
-		} catch {
-			/* no answer: we do not know whether it charged; the retry asks again */
-			return sendProblem(res, 502, 'processor-unreachable', 'Payment processor unreachable',
-				'The payment processor did not answer. Retry with the same Idempotency-Key.');
-		}
-		const charge = await answer.json().catch(() => ({}));
-		if (answer.status === 409 && charge.type?.endsWith('/stale-fencing-token'))
-			return sendProblem(res, 409, 'stale-attempt', 'Attempt superseded',
-				'A newer attempt for this Idempotency-Key reached the processor first.');
-		if (answer.status >= 500)
-			return sendProblem(res, 502, 'processor-unavailable', 'Payment processor unavailable',
-				'The payment processor failed. Retry with the same Idempotency-Key.');
-		if (answer.status >= 400)
-			return sendProblem(res, 402, 'payment-declined', 'Payment declined',
-				charge.detail ?? `The processor declined the charge (${answer.status}).`);
+		const result = await chargeAtProcessor(downstreamUrl, processorKey(scope, key), token, req.body);
+		if (sentProcessorProblem(res, result))
+			return;
+		const { charge } = result;
 		return res.status(201).json({
 			payment: `pay_${charge.id}`,
 			charge: charge.id,
@@ -135,6 +171,52 @@ function createApp({ pool, downstreamUrl, lease, retention, faults = false, log 
 			order: Number(order.id), item: order.item, quantity: order.quantity,
 			created_at: order.created_at.toISOString(),
 		});
+	});
+
+	/*
+	 * (c) two steps that resume: charge at the processor, then ship.  Each
+	 * completed step records a checkpoint; the request that takes the key over
+	 * after a crash (attempt 2, after the lease) finds the last one in
+	 * req.idempotency.phase and phaseData and skips what is done.
+	 *
+	 *   charge  an external call: at least once, deduped by the processor
+	 *           under a key of its own for this step; its checkpoint commits
+	 *           right after it ('charge_created', the charge id)
+	 *   ship    a row here, committed in one transaction with its checkpoint
+	 *           ('shipped'), so it happens exactly once even if the service
+	 *           dies before the result is stored
+	 */
+	app.post('/checkout', validatePayment, idem, async (req, res) => {
+		const { key, scope, token, phase, phaseData, checkpoint } = req.idempotency;
+		let charge = phaseData?.charge ?? null;
+		if (phase === null) {
+			const result = await chargeAtProcessor(downstreamUrl,
+				`${processorKey(scope, key)}/charge`, token, req.body);
+			if (sentProcessorProblem(res, result))
+				return;
+			charge = result.charge.id;
+			await checkpoint('charge_created', { charge });
+			if (faults && pause && req.get('X-Simulate-Failure') === 'pause-after-charge')
+				await pause('charged', key);
+		}
+		let shipment = phaseData?.shipment ?? null;
+		if (phase !== 'shipped') {
+			const client = await pool.connect();
+			try {
+				await client.query('BEGIN');
+				const { rows } = await client.query(
+					'INSERT INTO shipments (request_key, charge) VALUES ($1, $2) RETURNING id',
+					[key, charge]);
+				shipment = Number(rows[0].id);
+				await checkpoint('shipped', { charge, shipment }, { client });
+				await client.query('COMMIT');
+				client.release();
+			} catch (err) {
+				await client.query('ROLLBACK').then(() => client.release(), (e) => client.release(e));
+				throw err;
+			}
+		}
+		return res.status(201).json({ charge, shipment, status: 'shipped' });
 	});
 
 	/* a thrown error: a 500 problem, which releases the key (or rolls the transaction back) */

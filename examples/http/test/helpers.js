@@ -18,7 +18,8 @@ const db = new Pool({ max: 4 });
 
 /*
  * Start src/server.js with the test settings; resolves once it listens.
- * The service runs as the unprivileged role payments_app.
+ * The service runs as the unprivileged role payments_app.  waitForLine(re)
+ * resolves with the first line of its stdout that matches re.
  */
 function startService(downstreamUrl, extraEnv = {}) {
 	const child = spawn(process.execPath, [SERVER], {
@@ -37,29 +38,43 @@ function startService(downstreamUrl, extraEnv = {}) {
 	let stderr = '';
 	child.stderr.on('data', (d) => { stderr += d; });
 	const exited = new Promise((resolve) => child.on('exit', (code, signal) => resolve({ code, signal })));
+	/* stdout lines, and the tests waiting for one */
+	const lines = [];
+	const watchers = [];
+	let partial = '';
+	child.stdout.setEncoding('utf8');
+	child.stdout.on('data', (d) => {
+		const parts = (partial + d).split('\n');
+		partial = parts.pop();
+		for (const line of parts) {
+			lines.push(line);
+			for (const w of [...watchers])
+				if (w.re.test(line)) {
+					watchers.splice(watchers.indexOf(w), 1);
+					w.resolve(line);
+				}
+		}
+	});
+	/* the first stdout line (printed so far or later) matching re */
+	const waitForLine = (re) => {
+		const seen = lines.find((line) => re.test(line));
+		return seen !== undefined ? Promise.resolve(seen)
+			: new Promise((resolve) => watchers.push({ re, resolve }));
+	};
 	return new Promise((resolve, reject) => {
-		let out = '';
-		const onData = (d) => {
-			out += d;
-			const m = out.match(/listening on (http:\/\/\S+)/);
-			if (m) {
-				child.stdout.off('data', onData);
-				child.stdout.resume();
-				resolve({
-					url: m[1],
-					child,
-					exited,
-					stderr: () => stderr,
-					async stop() {
-						if (child.exitCode === null && child.signalCode === null) {
-							child.kill('SIGTERM');
-							await exited;
-						}
-					},
-				});
-			}
-		};
-		child.stdout.on('data', onData);
+		waitForLine(/listening on (http:\/\/\S+)/).then((line) => resolve({
+			url: line.match(/listening on (http:\/\/\S+)/)[1],
+			child,
+			exited,
+			waitForLine,
+			stderr: () => stderr,
+			async stop() {
+				if (child.exitCode === null && child.signalCode === null) {
+					child.kill('SIGTERM');
+					await exited;
+				}
+			},
+		}));
 		exited.then(({ code, signal }) => reject(
 			new Error(`service exited (${code ?? signal}) before listening: ${stderr}`)));
 	});

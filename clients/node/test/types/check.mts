@@ -1,7 +1,7 @@
 // Compiled (not run) by test.sh: the ESM types of the installed package.
 import {
 	idempotent, expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext,
-	InProgressError, KeyLostError, type IdempotencyContext,
+	InProgressError, KeyLostError, type IdempotencyContext, type JsonValue,
 } from 'pg-idempotency';
 import express from 'express';
 import Fastify from 'fastify';
@@ -34,12 +34,25 @@ app.post('/payments', idem, (req, res) => {
 app.post('/orders', idem.transactional, async (req, res) => {
 	const ctx = idempotencyContext(req)!;
 	await ctx.client!.query('SELECT 1');
+	if (ctx.phase !== 'a_done')
+		await ctx.checkpoint('a_done');
 	res.status(201).json({ ok: true });
 });
 
 const f = Fastify();
 await f.register(fastifyIdempotency, { pool, storePolicy: (s) => (s >= 500 ? 'release' : 'succeeded') });
 f.post('/x', async (request) => ({ key: idempotencyContext(request as any)?.key }));
+
+const resumed = await idempotent(pool, { key: 'order-1', sessionBound: true },
+	async ({ phase, phaseData, checkpoint }) => {
+		const client = await pool.connect();
+		if (phase === null)
+			await checkpoint('charge_created', { charge: 'ch_1' }, { client });
+		client.release();
+		const data: JsonValue | null = phaseData;
+		return data;
+	});
+void resumed;
 
 try {
 	await idempotent(pool, { key: 'k' }, () => 1);

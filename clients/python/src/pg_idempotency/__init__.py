@@ -16,7 +16,7 @@ from .header import KeyHeader, parse_idempotency_key
 from .jobs import (AsyncIdempotent, AsyncJob, Idempotent, Job, Retryable, current_job,
                    idempotent, idempotent_job)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AsyncIdempotent", "AsyncJob", "CachedResult", "Duration", "IdempotencyError",

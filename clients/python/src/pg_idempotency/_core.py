@@ -40,14 +40,37 @@ MAX_KEY_LENGTH = 255
 # key is gone (released by whoever took it over, or past its retention).
 LOST_SQLSTATES = frozenset({"55006", "55000", "P0002"})
 
-CLAIM_SQL = """
-SELECT outcome, token, attempt, status, response_code, response_body, retry_after
+# The claim's last two columns, phase and phase_data (the checkpoint a
+# takeover resumes from), are read through to_jsonb so that the same
+# statement also runs on extension versions before 1.4, which have neither
+# (both read as NULL there); only a takeover can carry them, so no other
+# outcome pays for the conversion.
+_CLAIM_SQL = """
+SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body,
+       c.retry_after,
+       CASE WHEN c.outcome = 'claimed' AND c.attempt > 1
+            THEN pg_catalog.to_jsonb(c) ->> 'phase' END,
+       CASE WHEN c.outcome = 'claimed' AND c.attempt > 1
+            THEN pg_catalog.to_jsonb(c) -> 'phase_data' END
   FROM idempotency.idem_claim(key       => %(key)s,
                               request   => %(request)s,
                               scope     => %(scope)s,
                               lease     => %(lease)s::interval,
                               retention => %(retention)s::interval,
-                              wait      => %(wait)s::interval)"""
+                              wait      => %(wait)s::interval{bound}) AS c"""
+
+CLAIM_SQL = _CLAIM_SQL.format(bound="")
+
+# session_bound is named only when it is true, for the same reason.
+SESSION_BOUND_CLAIM_SQL = _CLAIM_SQL.format(
+    bound=",\n                              session_bound => true")
+
+CHECKPOINT_SQL = """
+SELECT idempotency.idem_checkpoint(key   => %(key)s,
+                                   token => %(token)s,
+                                   phase => %(phase)s,
+                                   data  => %(data)s,
+                                   scope => %(scope)s)"""
 
 FINISH_SQL = """
 SELECT idempotency.idem_finish(key           => %(key)s,
@@ -194,6 +217,8 @@ class ClaimRow:
     response_code: Optional[int]
     response_body: Any
     retry_after: Optional[int]
+    phase: Optional[str] = None       # a takeover's checkpoint to resume from
+    phase_data: Any = None
 
 
 # ---- errors -----------------------------------------------------------------

@@ -25,6 +25,17 @@ Two modes, chosen by the connection handed in:
   The block runs in a savepoint so that an exception undoes the block's writes
   but still releases or stores the failure in the transaction. No heartbeat:
   an uncommitted claim is invisible to other sessions anyway.
+
+Recovery points: ``job.checkpoint(phase, data)`` records a completed step; an
+attempt that takes the key over finds it in ``job.phase`` and
+``job.phase_data`` and resumes from there.  It commits on its own in the
+first mode (or in the caller's transaction on ``conn``), and with the
+transaction in the second.
+
+``session_bound=True`` ties the claim to the server session that made it, so
+that the key is free at once when that session ends (the process died)
+instead of after the lease.  Through a pool, that session is a pool
+connection held for the whole attempt.
 """
 
 from __future__ import annotations
@@ -37,8 +48,8 @@ import inspect
 import logging
 import threading
 from types import TracebackType
-from typing import (Any, Awaitable, Callable, Optional, Tuple, Type, TypeVar, Union,
-                    cast, overload)
+from typing import (Any, Awaitable, Callable, NoReturn, Optional, Tuple, Type, TypeVar,
+                    Union, cast, overload)
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -46,8 +57,9 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ._core import (CLAIM_SQL, EXTEND_SQL, FINISH_SQL, RELEASE_SQL, ClaimRow, Duration,
-                    InProgressError, KeyLostError, MismatchError, StoredFailureError,
+from ._core import (CHECKPOINT_SQL, CLAIM_SQL, EXTEND_SQL, FINISH_SQL, RELEASE_SQL,
+                    SESSION_BOUND_CLAIM_SQL, ClaimRow, Duration, InProgressError,
+                    KeyLostError, MismatchError, StoredFailureError,
                     acall_with_retry, afetch_one, call_with_retry, envelope_error,
                     envelope_value, error_envelope, is_lost, released_before, to_seconds,
                     to_timedelta, value_envelope)
@@ -105,15 +117,25 @@ class _JobBase:
     attempt: Optional[int]
     #: The fencing token of this attempt (pass it downstream); None on replay.
     token: Optional[int]
+    #: The step an earlier attempt completed (its last ``checkpoint``), when
+    #: this attempt took the key over: resume after it. None on a first
+    #: attempt, when no attempt recorded one, and on replay. Not changed by
+    #: this attempt's own checkpoints.
+    phase: Optional[str]
+    #: What that checkpoint recorded to resume from (any JSON value), or None.
+    phase_data: Any
 
     def __init__(self, *, key: str, scope: str, replayed: bool, value: Any,
-                 attempt: Optional[int], token: Optional[int]) -> None:
+                 attempt: Optional[int], token: Optional[int],
+                 phase: Optional[str] = None, phase_data: Any = None) -> None:
         self.key = key
         self.scope = scope
         self.replayed = replayed
         self.value = value
         self.attempt = attempt
         self.token = token
+        self.phase = phase
+        self.phase_data = phase_data
         self._failure: Optional[BaseException] = None
         self._finished = False
         self._lost_state: Optional[str] = None      # SQLSTATE that told us
@@ -132,13 +154,29 @@ class _JobBase:
 
     @property
     def lost(self) -> bool:
-        """True once the heartbeat learned that another attempt owns the key:
-        stop working, nothing will be stored."""
+        """True once the heartbeat (or a checkpoint) learned that another
+        attempt owns the key: stop working, nothing will be stored."""
         return self._lost_state is not None
 
     def raise_if_lost(self) -> None:
         if self._lost_state is not None:
             raise KeyLostError(key=self.key, scope=self.scope, sqlstate=self._lost_state)
+
+    def _checkpoint_params(self, phase: str, data: Any) -> dict[str, Any]:
+        self._check_owner("checkpoint")
+        if not isinstance(phase, str):
+            raise TypeError(f"checkpoint() needs a phase name (str), not {type(phase).__name__}")
+        return {"key": self.key, "token": self.token, "phase": phase,
+                "data": None if data is None else Jsonb(data), "scope": self.scope}
+
+    def _checkpoint_failed(self, err: psycopg.Error) -> NoReturn:
+        """A checkpoint the server refused: a lost key raises KeyLostError (and
+        the block's exit does not try to settle the key again)."""
+        if is_lost(err):
+            if not self._finished:
+                self._lost_state = err.sqlstate or ""
+            raise KeyLostError(key=self.key, scope=self.scope, sqlstate=err.sqlstate) from err
+        raise err
 
     def _check_owner(self, what: str) -> None:
         if self.replayed:
@@ -148,7 +186,8 @@ class _JobBase:
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} key={self.key!r} scope={self.scope!r} "
-                f"replayed={self.replayed} attempt={self.attempt} token={self.token}>")
+                f"replayed={self.replayed} attempt={self.attempt} token={self.token} "
+                f"phase={self.phase!r}>")
 
 
 class Job(_JobBase):
@@ -174,6 +213,27 @@ class Job(_JobBase):
         self._owner._store(value_envelope(value), "succeeded", conn=conn)
         self._finished = True
 
+    def checkpoint(self, phase: str, data: Any = None, *,
+                   conn: Optional["psycopg.Connection[Any]"] = None) -> None:
+        """Record that this attempt completed the step ``phase`` (e.g.
+        ``"charge_created"``), with ``data`` (any JSON value) for the attempt
+        that takes the key over if this one dies: it gets them as ``phase`` and
+        ``phase_data``. A later checkpoint replaces this one.
+
+        Where it commits: on ``conn`` inside your transaction, together with
+        the step's writes (or neither); in the transaction mode, with that
+        transaction; otherwise at once, on its own. Raises ``KeyLostError`` if
+        another attempt owns the key.
+        """
+        params = self._checkpoint_params(phase, data)
+        owner = self._owner
+        with owner._beat_lock:
+            try:
+                owner._runner.token_call(CHECKPOINT_SQL, params, conn=conn)
+            except psycopg.Error as e:
+                self._checkpoint_failed(e)
+            owner._note_open_checkpoint(conn)
+
 
 class AsyncJob(_JobBase):
     """The async block's view of its key."""
@@ -191,6 +251,25 @@ class AsyncJob(_JobBase):
         await self._owner._stop_heartbeat()
         await self._owner._store(value_envelope(value), "succeeded", conn=conn)
         self._finished = True
+
+    async def checkpoint(self, phase: str, data: Any = None, *,
+                         conn: Optional["psycopg.AsyncConnection[Any]"] = None) -> None:
+        """Record a completed step; see ``Job.checkpoint``."""
+        params = self._checkpoint_params(phase, data)
+        owner = self._owner
+        async with owner._beat_lock:
+            try:
+                await owner._runner.token_call(CHECKPOINT_SQL, params, conn=conn)
+            except psycopg.Error as e:
+                self._checkpoint_failed(e)
+            owner._note_open_checkpoint(conn)
+
+
+def _still_open(conn: Union["psycopg.Connection[Any]", "psycopg.AsyncConnection[Any]", None]
+                ) -> bool:
+    """True while ``conn`` is in a transaction (or running a statement)."""
+    return (conn is not None and not conn.closed
+            and conn.info.transaction_status != TransactionStatus.IDLE)
 
 
 def _claim_outcome(row: ClaimRow, key: str, scope: str) -> None:
@@ -216,6 +295,31 @@ class _SyncRunner:
     def __init__(self, db: SyncDB) -> None:
         self.db = db
         self._beat_conn: Optional[psycopg.Connection[Any]] = None
+        self._held: Optional[contextlib.ExitStack] = None
+
+    def claim(self, sql: str, params: dict[str, Any], hold: bool) -> Tuple[Any, ...]:
+        """The claim. ``hold`` (a session-bound claim through a pool): on a pool
+        connection that is kept until ``release_held()``, so that the session
+        the key is bound to lives exactly as long as the attempt; back in the
+        pool, an idle connection may be closed (and the key freed) while the
+        work still runs."""
+        if not hold or not isinstance(self.db, ConnectionPool):
+            return self.one(sql, params)
+        stack = contextlib.ExitStack()
+        with stack:
+            c = stack.enter_context(self.db.connection())
+            row = _exec_committed(c, sql, params)
+            self._held = stack.pop_all()
+        return row
+
+    def release_held(self) -> None:
+        """Give the claim's connection (if held) back to the pool."""
+        held, self._held = self._held, None
+        if held is not None:
+            try:
+                held.close()
+            except psycopg.Error as e:     # a connection that died: the pool replaces it
+                log.warning("could not return the session-bound claim's connection: %s", e)
 
     def in_transaction(self) -> bool:
         return (isinstance(self.db, psycopg.Connection)
@@ -228,11 +332,7 @@ class _SyncRunner:
         if isinstance(self.db, ConnectionPool):
             with self.db.connection() as c:
                 return _exec(c, sql, params)
-        c = self.db
-        if c.autocommit or c.info.transaction_status != TransactionStatus.IDLE:
-            return _exec(c, sql, params)
-        with c.transaction():
-            return _exec(c, sql, params)
+        return _exec_committed(self.db, sql, params)
 
     def token_call(self, sql: str, params: dict[str, Any],
                    conn: Optional["psycopg.Connection[Any]"] = None) -> Tuple[Any, ...]:
@@ -260,9 +360,20 @@ class _SyncRunner:
         call_with_retry(lambda: _exec(beat_conn, sql, params))
 
     def close(self) -> None:
+        self.release_held()
         if self._beat_conn is not None:
             self._beat_conn.close()
             self._beat_conn = None
+
+
+def _exec_committed(c: "psycopg.Connection[Any]", sql: str,
+                    params: dict[str, Any]) -> Tuple[Any, ...]:
+    """One statement on ``c``: in the caller's transaction if one is open,
+    else committed on its own."""
+    if c.autocommit or c.info.transaction_status != TransactionStatus.IDLE:
+        return _exec(c, sql, params)
+    with c.transaction():
+        return _exec(c, sql, params)
 
 
 def _exec(conn: "psycopg.Connection[Any]", sql: str, params: dict[str, Any]) -> Tuple[Any, ...]:
@@ -312,7 +423,8 @@ class Idempotent:
 
     def __init__(self, db: SyncDB, key: str, *, request: Any = None, scope: str = "",
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
-                 wait: Duration = 0, retryable: Optional[Retryable] = None) -> None:
+                 wait: Duration = 0, retryable: Optional[Retryable] = None,
+                 session_bound: bool = False) -> None:
         self._runner = _SyncRunner(db)
         self.key = key
         self.scope = scope
@@ -321,20 +433,33 @@ class Idempotent:
         self._retention = retention
         self._wait = wait
         self._retryable = _retryable_predicate(retryable)
+        self._session_bound = bool(session_bound)
         self._job: Optional[Job] = None
         self._heartbeat: Optional[_SyncHeartbeat] = None
+        # A beat and a checkpoint never overlap, and no beat runs while a
+        # checkpoint waits in the caller's open transaction (_open_checkpoint):
+        # an extend would wait for that transaction, and finish(conn=...) in
+        # it would wait for the extend, forever.
+        self._beat_lock = threading.Lock()
+        self._open_checkpoint: Optional[psycopg.Connection[Any]] = None
         self._savepoint: Optional[contextlib.ExitStack] = None
         self._ctx_token: Optional[contextvars.Token[Optional[_JobBase]]] = None
 
     def __enter__(self) -> Job:
         tx_mode = self._runner.in_transaction()
-        row = ClaimRow(*self._runner.one(CLAIM_SQL, _claim_params(
-            self.key, self._request, self.scope, self._lease, self._retention, self._wait)))
+        row = ClaimRow(*self._runner.claim(
+            SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
+            _claim_params(self.key, self._request, self.scope, self._lease,
+                          self._retention, self._wait),
+            hold=self._session_bound))
+        if row.outcome != "claimed":
+            self._runner.release_held()
         _claim_outcome(row, self.key, self.scope)
         replayed = row.outcome == "replay"
         job = Job(self, key=self.key, scope=self.scope, replayed=replayed,
                   value=envelope_value(row.response_body) if replayed else None,
-                  attempt=row.attempt, token=row.token)
+                  attempt=row.attempt, token=row.token, phase=row.phase,
+                  phase_data=row.phase_data)
         self._job = job
         if not replayed:
             if tx_mode:
@@ -414,8 +539,21 @@ class Idempotent:
     def _beat(self) -> None:
         job = self._job
         assert job is not None
-        self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
-                                       "lease": to_timedelta(self._lease), "scope": self.scope})
+        with self._beat_lock:
+            # the uncommitted checkpoint keeps other claims off the key anyway
+            if _still_open(self._open_checkpoint):
+                return
+            self._open_checkpoint = None
+            self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
+                                           "lease": to_timedelta(self._lease),
+                                           "scope": self.scope})
+
+    def _note_open_checkpoint(self, conn: Optional["psycopg.Connection[Any]"]) -> None:
+        """Remember the connection a checkpoint just ran on if it left it in a
+        transaction (the caller's, still to commit)."""
+        ran_on = conn if conn is not None else self._runner.db
+        if isinstance(ran_on, psycopg.Connection) and _still_open(ran_on):
+            self._open_checkpoint = ran_on
 
     def _mark_lost(self, sqlstate: str) -> None:
         job = self._job
@@ -438,6 +576,26 @@ class _AsyncRunner:
     def __init__(self, db: AsyncDB) -> None:
         self.db = db
         self._beat_conn: Optional[psycopg.AsyncConnection[Any]] = None
+        self._held: Optional[contextlib.AsyncExitStack] = None
+
+    async def claim(self, sql: str, params: dict[str, Any], hold: bool) -> Tuple[Any, ...]:
+        """See ``_SyncRunner.claim``."""
+        if not hold or not isinstance(self.db, AsyncConnectionPool):
+            return await self.one(sql, params)
+        stack = contextlib.AsyncExitStack()
+        async with stack:
+            c = await stack.enter_async_context(self.db.connection())
+            row = await _aexec_committed(c, sql, params)
+            self._held = stack.pop_all()
+        return row
+
+    async def release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            try:
+                await held.aclose()
+            except psycopg.Error as e:
+                log.warning("could not return the session-bound claim's connection: %s", e)
 
     def in_transaction(self) -> bool:
         return (isinstance(self.db, psycopg.AsyncConnection)
@@ -450,11 +608,7 @@ class _AsyncRunner:
         if isinstance(self.db, AsyncConnectionPool):
             async with self.db.connection() as c:
                 return await _aexec(c, sql, params)
-        c = self.db
-        if c.autocommit or c.info.transaction_status != TransactionStatus.IDLE:
-            return await _aexec(c, sql, params)
-        async with c.transaction():
-            return await _aexec(c, sql, params)
+        return await _aexec_committed(self.db, sql, params)
 
     async def token_call(self, sql: str, params: dict[str, Any],
                          conn: Optional["psycopg.AsyncConnection[Any]"] = None
@@ -478,9 +632,19 @@ class _AsyncRunner:
         await acall_with_retry(lambda: _aexec(beat_conn, sql, params))
 
     async def close(self) -> None:
+        await self.release_held()
         if self._beat_conn is not None:
             await self._beat_conn.close()
             self._beat_conn = None
+
+
+async def _aexec_committed(c: "psycopg.AsyncConnection[Any]", sql: str,
+                           params: dict[str, Any]) -> Tuple[Any, ...]:
+    """See ``_exec_committed``."""
+    if c.autocommit or c.info.transaction_status != TransactionStatus.IDLE:
+        return await _aexec(c, sql, params)
+    async with c.transaction():
+        return await _aexec(c, sql, params)
 
 
 async def _aexec(conn: "psycopg.AsyncConnection[Any]", sql: str,
@@ -530,7 +694,8 @@ class AsyncIdempotent:
 
     def __init__(self, db: AsyncDB, key: str, *, request: Any = None, scope: str = "",
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
-                 wait: Duration = 0, retryable: Optional[Retryable] = None) -> None:
+                 wait: Duration = 0, retryable: Optional[Retryable] = None,
+                 session_bound: bool = False) -> None:
         self._runner = _AsyncRunner(db)
         self.key = key
         self.scope = scope
@@ -539,20 +704,31 @@ class AsyncIdempotent:
         self._retention = retention
         self._wait = wait
         self._retryable = _retryable_predicate(retryable)
+        self._session_bound = bool(session_bound)
         self._job: Optional[AsyncJob] = None
         self._heartbeat: Optional[_AsyncHeartbeat] = None
+        # see Idempotent._beat_lock (made in __aenter__, inside the event loop)
+        self._beat_lock: asyncio.Lock = cast(asyncio.Lock, None)
+        self._open_checkpoint: Optional[psycopg.AsyncConnection[Any]] = None
         self._savepoint: Optional[contextlib.AsyncExitStack] = None
         self._ctx_token: Optional[contextvars.Token[Optional[_JobBase]]] = None
 
     async def __aenter__(self) -> AsyncJob:
+        self._beat_lock = asyncio.Lock()
         tx_mode = self._runner.in_transaction()
-        row = ClaimRow(*await self._runner.one(CLAIM_SQL, _claim_params(
-            self.key, self._request, self.scope, self._lease, self._retention, self._wait)))
+        row = ClaimRow(*await self._runner.claim(
+            SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
+            _claim_params(self.key, self._request, self.scope, self._lease,
+                          self._retention, self._wait),
+            hold=self._session_bound))
+        if row.outcome != "claimed":
+            await self._runner.release_held()
         _claim_outcome(row, self.key, self.scope)
         replayed = row.outcome == "replay"
         job = AsyncJob(self, key=self.key, scope=self.scope, replayed=replayed,
                        value=envelope_value(row.response_body) if replayed else None,
-                       attempt=row.attempt, token=row.token)
+                       attempt=row.attempt, token=row.token, phase=row.phase,
+                       phase_data=row.phase_data)
         self._job = job
         if not replayed:
             if tx_mode:
@@ -631,9 +807,19 @@ class AsyncIdempotent:
     async def _beat(self) -> None:
         job = self._job
         assert job is not None
-        await self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
-                                             "lease": to_timedelta(self._lease),
-                                             "scope": self.scope})
+        async with self._beat_lock:
+            if _still_open(self._open_checkpoint):
+                return
+            self._open_checkpoint = None
+            await self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
+                                                 "lease": to_timedelta(self._lease),
+                                                 "scope": self.scope})
+
+    def _note_open_checkpoint(self, conn: Optional["psycopg.AsyncConnection[Any]"]) -> None:
+        """See ``Idempotent._note_open_checkpoint``."""
+        ran_on = conn if conn is not None else self._runner.db
+        if isinstance(ran_on, psycopg.AsyncConnection) and _still_open(ran_on):
+            self._open_checkpoint = ran_on
 
     def _mark_lost(self, sqlstate: str) -> None:
         job = self._job
@@ -654,20 +840,21 @@ class AsyncIdempotent:
 @overload
 def idempotent(db: SyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
-               wait: Duration = ..., retryable: Optional[Retryable] = ...) -> Idempotent: ...
+               wait: Duration = ..., retryable: Optional[Retryable] = ...,
+               session_bound: bool = ...) -> Idempotent: ...
 
 
 @overload
 def idempotent(db: AsyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
-               wait: Duration = ..., retryable: Optional[Retryable] = ...
-               ) -> AsyncIdempotent: ...
+               wait: Duration = ..., retryable: Optional[Retryable] = ...,
+               session_bound: bool = ...) -> AsyncIdempotent: ...
 
 
 def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, scope: str = "",
                lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
-               wait: Duration = 0, retryable: Optional[Retryable] = None
-               ) -> Union[Idempotent, AsyncIdempotent]:
+               wait: Duration = 0, retryable: Optional[Retryable] = None,
+               session_bound: bool = False) -> Union[Idempotent, AsyncIdempotent]:
     """Run a block at most once per ``(scope, key)``: ``with`` for a sync
     connection or pool, ``async with`` for an async one.
 
@@ -678,9 +865,13 @@ def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, sco
     ``idempotency.retention``). ``wait``: how long the claim may wait for an
     attempt in flight before ``InProgressError``. ``retryable``: which
     exceptions release the key instead of storing a failure (default: all).
+    ``session_bound``: tie the claim to the server session that makes it (a
+    pool connection held for the whole attempt, with a pool), so that the key
+    is free at once if that session ends; meaningless behind a transaction
+    pooler such as PgBouncer in transaction mode.
     """
     kw: dict[str, Any] = dict(request=request, scope=scope, lease=lease, retention=retention,
-                              wait=wait, retryable=retryable)
+                              wait=wait, retryable=retryable, session_bound=session_bound)
     if isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
         return AsyncIdempotent(db, key, **kw)
     if isinstance(db, (psycopg.Connection, ConnectionPool)):
@@ -695,18 +886,20 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                    request: Optional[Callable[..., Any]] = None,
                    scope: Union[str, Callable[..., str]] = "",
                    lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
-                   wait: Duration = 0, retryable: Optional[Retryable] = None
-                   ) -> Callable[[F], F]:
+                   wait: Duration = 0, retryable: Optional[Retryable] = None,
+                   session_bound: bool = False) -> Callable[[F], F]:
     """Decorator form: ``key``, ``request`` and ``scope`` are computed from the
     call's arguments. The function runs at most once per key; a replay returns
     the stored value without calling it. Works on plain and ``async`` functions
     (an async function needs an async connection or pool). Inside, the running
-    attempt is ``current_job()`` (its ``attempt`` and fencing ``token``)."""
+    attempt is ``current_job()`` (its ``attempt``, fencing ``token``, ``phase``,
+    ``phase_data`` and ``checkpoint()``)."""
 
     def options(args: Tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         return dict(request=None if request is None else request(*args, **kwargs),
                     scope=scope(*args, **kwargs) if callable(scope) else scope,
-                    lease=lease, retention=retention, wait=wait, retryable=retryable)
+                    lease=lease, retention=retention, wait=wait, retryable=retryable,
+                    session_bound=session_bound)
 
     def decorate(fn: F) -> F:
         if inspect.iscoroutinefunction(fn):
