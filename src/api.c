@@ -863,31 +863,43 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	result_init(fcinfo);
 	elem_cxt = AllocSetContextCreate(outer, "idempotency batch element",
 									 ALLOCSET_SMALL_SIZES);
-	for (int i = 0; i < keys.n; i++)
+	/* one WAL flush for the batch's tokens, when it returns them */
+	idem_write_defer_token_flush();
+	PG_TRY();
 	{
-		ClaimResult res;
-		Datum		values[CLAIM_RESULT_COLS + 2];
-		bool		nulls[CLAIM_RESULT_COLS + 2];
+		for (int i = 0; i < keys.n; i++)
+		{
+			ClaimResult res;
+			Datum		values[CLAIM_RESULT_COLS + 2];
+			bool		nulls[CLAIM_RESULT_COLS + 2];
 
-		CHECK_FOR_INTERRUPTS();
-		MemoryContextReset(elem_cxt);
-		MemoryContextSwitchTo(elem_cxt);
-		args.key = (text *) DatumGetPointer(keys.elems[i]);
-		args.has_fingerprint = requests.given && !requests.nulls[i];
-		if (args.has_fingerprint)
-			idem_fingerprint(requests.elems[i], args.fingerprint);
-		args.hash = idem_key_hash(args.scope, args.key);
-		claim_once(&args, &res);
-		claim_count(&res);
+			CHECK_FOR_INTERRUPTS();
+			MemoryContextReset(elem_cxt);
+			MemoryContextSwitchTo(elem_cxt);
+			args.key = (text *) DatumGetPointer(keys.elems[i]);
+			args.has_fingerprint = requests.given && !requests.nulls[i];
+			if (args.has_fingerprint)
+				idem_fingerprint(requests.elems[i], args.fingerprint);
+			args.hash = idem_key_hash(args.scope, args.key);
+			claim_once(&args, &res);
+			claim_count(&res);
 
-		values[0] = Int32GetDatum(i + 1);
-		values[1] = keys.elems[i];
-		nulls[0] = nulls[1] = false;
-		claim_result_values(&res, values + 2, nulls + 2);
-		MemoryContextSwitchTo(outer);
-		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
-							 nulls);
+			values[0] = Int32GetDatum(i + 1);
+			values[1] = keys.elems[i];
+			nulls[0] = nulls[1] = false;
+			claim_result_values(&res, values + 2, nulls + 2);
+			MemoryContextSwitchTo(outer);
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
+								 nulls);
+		}
 	}
+	PG_CATCH();
+	{
+		idem_write_flush_tokens(false);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	idem_write_flush_tokens(true);
 	MemoryContextDelete(elem_cxt);
 	PG_RETURN_VOID();
 }

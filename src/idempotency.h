@@ -191,6 +191,8 @@ IDEM_NORETURN extern void idem_catalog_refuse_missing(const char *what);
 
 /* ---- write.c ---- */
 extern int64 idem_write_next_token(void);
+extern void idem_write_defer_token_flush(void);
+extern void idem_write_flush_tokens(bool flush);
 extern void idem_write_insert_claim(text *scope, text *key, int64 token,
 									const uint8 *fingerprint,
 									TimestampTz now, TimestampTz lease_until,

@@ -660,13 +660,21 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 }
 
 /*
+ * While a batch hands out its tokens (idem_write_defer_token_flush ..
+ * idem_write_flush_tokens), whether a token's WAL still needs a flush.
+ */
+static bool token_flush_deferred = false;
+static bool token_flush_owed = false;
+
+/*
  * The next fencing token: larger than every token issued before, even
  * across a crash.  A sequence logs its position ahead (every 32 values and
  * after each checkpoint) but leaves flushing that record to the commit, so
  * a token handed out by a transaction that never commits could be issued
  * again after a crash.  The caller may already have passed that token to
- * a downstream system, so when nextval wrote WAL, flush it now: one flush
- * per 32 tokens at most.
+ * a downstream system, so when nextval wrote WAL, flush it before the
+ * token leaves the server: now (one flush per 32 tokens at most), or, in a
+ * batch, once when the batch returns its tokens.
  */
 int64
 idem_write_next_token(void)
@@ -676,6 +684,34 @@ idem_write_next_token(void)
 
 	token = nextval_internal(idem_catalog()->token_seq, false);
 	if (XactLastRecEnd != before)
-		XLogFlush(XactLastRecEnd);
+	{
+		if (token_flush_deferred)
+			token_flush_owed = true;
+		else
+			XLogFlush(XactLastRecEnd);
+	}
 	return token;
+}
+
+/*
+ * A batch of claims begins: the tokens it draws reach the client only when
+ * it returns, so their WAL is flushed once then (idem_write_flush_tokens)
+ * instead of every 32 tokens.  idem_write_flush_tokens must follow, also
+ * on error (with flush false: no token leaves).
+ */
+void
+idem_write_defer_token_flush(void)
+{
+	token_flush_deferred = true;
+	token_flush_owed = false;
+}
+
+/* The batch's tokens are about to leave: flush what they need (if "flush"). */
+void
+idem_write_flush_tokens(bool flush)
+{
+	if (flush && token_flush_owed)
+		XLogFlush(XactLastRecEnd);
+	token_flush_deferred = false;
+	token_flush_owed = false;
 }

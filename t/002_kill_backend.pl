@@ -5,7 +5,8 @@
 # and run crash recovery.  Work of the killed backend's open transaction
 # (claims, an in-transaction takeover, a finish) must vanish; committed
 # claims must survive, still pending, with their tokens current until a
-# takeover after their lease; the token sequence must never go back.
+# takeover after their lease; the token sequence must never go back, also
+# past the 100 tokens a batch drew in the killed transaction.
 #
 # Run as described at the top of t/001_restart.pl.
 
@@ -112,7 +113,19 @@ is($sa_fresh->{outcome}, 'claimed', 'killed txn: fresh claimed');
 is($sa_fresh->{attempt}, 1,         'killed txn: fresh attempt 1');
 cmp_ok($sa_fresh->{token}, '>', $sa_takeover->{token}, 'killed txn: fresh token above earlier tokens');
 
-my @killed_tokens = ($sa_fresh->{token}, $sa_fin->{token}, $sa_takeover->{token});
+# A batch in the same transaction draws 100 tokens (the sequence logs
+# ahead several times on the way); their WAL is flushed once, before the
+# batch returns them.
+my $batch_max = $sa->query_safe(
+	"SELECT max(token) || ',' || count(*) FILTER (WHERE outcome = 'claimed') "
+	  . "FROM idempotency.idem_claim_many(ARRAY(SELECT 'batch-' || i "
+	  . "FROM generate_series(1, 100) AS i), lease => '1 hour')");
+like($batch_max, qr/^\d+,100$/, 'killed txn: a batch claims 100 keys');
+$batch_max =~ s/,.*//;
+cmp_ok($batch_max, '>', $sa_fresh->{token}, 'killed txn: the batch\'s tokens come after');
+
+my @killed_tokens = ($sa_fresh->{token}, $sa_fin->{token}, $sa_takeover->{token},
+	$batch_max);
 
 # While the transaction is open, the others see none of it.
 $c = claim($node, 'postgres', "'fresh', request => '{\"n\": 5}'");
