@@ -588,12 +588,20 @@ idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
 	(void) write_apply(WRITE_FINISH, &row, 1);
 }
 
-/* Record a checkpoint (phase, and data or 0 for NULL) on the probed row. */
+/*
+ * Record a checkpoint (phase, and data or 0 for NULL) on the probed row.
+ * A table of a version before 1.4 has nowhere to keep it.
+ */
 void
 idem_write_checkpoint(const IdemRow *old, Datum phase, Datum data)
 {
 	WriteRow	row;
 
+	if (idem_catalog()->ncols < COL_PHASE_DATA)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency.keys has no checkpoint columns"),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
 	row_init(&row, &old->tid);
 	row_set(&row, COL_PHASE, phase);
 	if (data != (Datum) 0)

@@ -6,7 +6,9 @@
 #
 # What it proves, for each of them:
 #   - before the update, the installed 1.4 library serves the old version's
-#     database: claim, finish, lookup and the stats view work as they did;
+#     database: claim, finish, lookup and the stats view work as they did,
+#     and a checkpoint (through the C function declared by hand) is refused
+#     with 55000 rather than written nowhere;
 #   - a database with finished keys (with response bodies), pending keys
 #     under a live lease and a pending key whose lease ended updates without
 #     touching a stored row (same ctid and xmin, every column identical, the
@@ -171,6 +173,16 @@ foreach my $from (@from)
 	is( sql($db, "SELECT claims = 4 AND replays = 1 AND finishes = 2 FROM idempotency.stats "
 			  . "WHERE database = current_database()"),
 		't', "$db: the stats view's counters under $from");
+	# A checkpoint has nowhere to go in a table of the old version: the C
+	# function, declared by hand, refuses it (55000) and changes nothing.
+	sql($db, "CREATE FUNCTION public.checkpoint_by_hand(text, bigint, text, jsonb, text) "
+		  . "RETURNS void AS '\$libdir/idempotency', 'idem_checkpoint' LANGUAGE C");
+	my $rows_before_ckpt = key_rows($node, $db);
+	is( sqlstate_of($node, $db,
+			"SELECT public.checkpoint_by_hand('live', $tok{live}, 'step', NULL, '')"),
+		'55000', "$db: a checkpoint under $from is refused");
+	is(key_rows($node, $db), $rows_before_ckpt, "$db: and changes no key");
+	sql($db, 'DROP FUNCTION public.checkpoint_by_hand(text, bigint, text, jsonb, text)');
 
 	# --- the administrator's privileges and the view's option -------------
 	grant_claim_per_role($node, $db);
