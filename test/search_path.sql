@@ -22,7 +22,8 @@ CREATE SCHEMA evil AUTHORIZATION regress_idem_attacker;
 GRANT USAGE ON SCHEMA evil TO PUBLIC;
 CREATE TEMP TABLE results (step pg_catalog.text, outcome pg_catalog.text, token pg_catalog.int8,
 	attempt pg_catalog.int4, status pg_catalog.text, response_code pg_catalog.int4,
-	response_body pg_catalog.jsonb, retry_after pg_catalog.int4);
+	response_body pg_catalog.jsonb, retry_after pg_catalog.int4, phase pg_catalog.text,
+	phase_data pg_catalog.jsonb);
 CREATE TEMP TABLE stamps (step pg_catalog.text, ts pg_catalog.timestamptz);
 CREATE TEMP TABLE errs (step pg_catalog.text, state pg_catalog.text);
 CREATE TEMP TABLE ctl (ts pg_catalog.timestamptz, eq pg_catalog.bool);
