@@ -646,6 +646,20 @@ claim_count(const ClaimResult *res)
 }
 
 /*
+ * The arguments idem_claim and idem_claim_many share, in the same places:
+ * scope (2), lease (3) and retention (4).
+ */
+static void
+claim_common_args(FunctionCallInfo fcinfo, ClaimArgs *args)
+{
+	args->scope = arg_name(fcinfo, 2, "scope", true);
+	args->lease = arg_interval(fcinfo, 3);
+	args->retention = arg_interval(fcinfo, 4);
+	check_positive(args->lease, "lease");
+	check_positive(args->retention, "retention");
+}
+
+/*
  * The columns of a claim's answer, from outcome to phase_data (the
  * CLAIM_RESULT_COLS of claim_result), into values/nulls.
  */
@@ -718,11 +732,7 @@ idem_claim(PG_FUNCTION_ARGS)
 	bool		nulls[CLAIM_RESULT_COLS];
 
 	args.key = arg_name(fcinfo, 0, "key", false);
-	args.scope = arg_name(fcinfo, 2, "scope", true);
-	args.lease = arg_interval(fcinfo, 3);
-	args.retention = arg_interval(fcinfo, 4);
-	check_positive(args.lease, "lease");
-	check_positive(args.retention, "retention");
+	claim_common_args(fcinfo, &args);
 	wait_us = arg_wait(fcinfo, 5);
 	args.session_bound = false;
 	if (PG_NARGS() > 6)
@@ -850,11 +860,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	arg_array(fcinfo, 1, "requests", false, JSONBOID, &requests);
 	check_batch_length(&requests, "requests", keys.n);
 	check_batch_keys(&keys);
-	args.scope = arg_name(fcinfo, 2, "scope", true);
-	args.lease = arg_interval(fcinfo, 3);
-	args.retention = arg_interval(fcinfo, 4);
-	check_positive(args.lease, "lease");
-	check_positive(args.retention, "retention");
+	claim_common_args(fcinfo, &args);
 	arg_not_null(fcinfo, 5, "session_bound");
 	args.session_bound = PG_GETARG_BOOL(5);
 	PreventCommandDuringRecovery("idem_claim_many()");
@@ -933,7 +939,6 @@ typedef struct TokenCall
 	int64		token;
 	uint64		hash;
 	TimestampTz now;			/* the wall clock the call is judged by */
-	int			batch_ord;	/* position in a batch, from 1; 0: none */
 	IdemRow		row;
 } TokenCall;
 
@@ -946,7 +951,6 @@ token_call_args(FunctionCallInfo fcinfo, TokenCallKind kind, int key_arg,
 				int scope_arg, TokenCall *call)
 {
 	call->kind = kind;
-	call->batch_ord = 0;
 	call->key = arg_name(fcinfo, key_arg, "key", false);
 	call->scope = arg_name(fcinfo, scope_arg, "scope", true);
 	arg_not_null(fcinfo, 1, "token");
@@ -1104,14 +1108,21 @@ idem_finish(PG_FUNCTION_ARGS)
 	PG_RETURN_TIMESTAMPTZ(expires_at);
 }
 
+/* The element of idem_finish_many being finished: its position, its call. */
+typedef struct FinishManyElement
+{
+	int			ord;			/* from 1 */
+	TokenCall	call;
+} FinishManyElement;
+
 /* Name the batch element an error is about (an error context callback). */
 static void
 finish_many_context(void *arg)
 {
-	const TokenCall *call = (const TokenCall *) arg;
+	const FinishManyElement *elem = (const FinishManyElement *) arg;
 
 	errcontext("idem_finish_many element %d, key %s",
-			   call->batch_ord, key_display(call->scope, call->key));
+			   elem->ord, key_display(elem->call.scope, elem->call.key));
 }
 
 /*
@@ -1137,7 +1148,7 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	IdemStatus	status;
 	Interval   *retention;
 	ErrorContextCallback errcb;
-	TokenCall	call;
+	FinishManyElement elem;
 	int64		finished = 0;
 
 	arg_array(fcinfo, 0, "keys", true, TEXTOID, &keys);
@@ -1169,7 +1180,7 @@ idem_finish_many(PG_FUNCTION_ARGS)
 
 	result_init(fcinfo);
 	errcb.callback = finish_many_context;
-	errcb.arg = &call;
+	errcb.arg = &elem;
 	errcb.previous = error_context_stack;
 	error_context_stack = &errcb;
 	for (int i = 0; i < keys.n; i++)
@@ -1180,16 +1191,16 @@ idem_finish_many(PG_FUNCTION_ARGS)
 		bool		wrote;
 
 		CHECK_FOR_INTERRUPTS();
-		memset(&call, 0, sizeof(TokenCall));
-		call.kind = CALL_FINISH;
-		call.key = (text *) DatumGetPointer(keys.elems[i]);
-		call.scope = scope;
-		call.token = DatumGetInt64(tokens.elems[i]);
-		call.batch_ord = i + 1;
+		memset(&elem, 0, sizeof(FinishManyElement));
+		elem.ord = i + 1;
+		elem.call.kind = CALL_FINISH;
+		elem.call.key = (text *) DatumGetPointer(keys.elems[i]);
+		elem.call.scope = scope;
+		elem.call.token = DatumGetInt64(tokens.elems[i]);
 		values[0] = Int32GetDatum(i + 1);
 		values[1] = keys.elems[i];
 		values[2] = TimestampTzGetDatum(
-			finish_key(&call, status, has_code,
+			finish_key(&elem.call, status, has_code,
 					   has_code ? DatumGetInt32(codes.elems[i]) : 0,
 					   (bodies.given && !bodies.nulls[i]) ?
 					   bodies.elems[i] : (Datum) 0,

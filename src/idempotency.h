@@ -135,7 +135,7 @@ typedef struct IdemRow
 	Interval	retention;
 	TimestampTz sweep_at;
 	/* 1.4 columns; NULL (0 / false) on a table of an older version */
-	Datum		phase;			/* text copy, or 0 */
+	Datum		phase;			/* text copy (with the body), or 0 */
 	Datum		phase_data;		/* copy as stored (with the body), or 0 */
 	bool		has_owner_session;
 	int64		owner_session;

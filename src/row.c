@@ -64,7 +64,10 @@ idem_status_parse(const char *name, int len, IdemStatus *status)
 	return false;
 }
 
-/* Decode the row in "slot" into *row (the body only when wanted). */
+/*
+ * Decode the row in "slot" into *row; the stored payloads (response body,
+ * phase, phase data) only when wanted.
+ */
 static void
 row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 {
@@ -119,8 +122,8 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 		   sizeof(Interval));
 	if (slot->tts_tupleDescriptor->natts >= COL_OWNER_SESSION)
 	{
-		row->phase = n[COL_PHASE - 1] ? (Datum) 0 :
-			PointerGetDatum(DatumGetTextPCopy(v[COL_PHASE - 1]));
+		row->phase = (want_body && !n[COL_PHASE - 1]) ?
+			PointerGetDatum(DatumGetTextPCopy(v[COL_PHASE - 1])) : (Datum) 0;
 		row->phase_data = (want_body && !n[COL_PHASE_DATA - 1]) ?
 			datumCopy(v[COL_PHASE_DATA - 1], false, -1) : (Datum) 0;
 		row->has_owner_session = !n[COL_OWNER_SESSION - 1];

@@ -369,9 +369,13 @@ write_execute_skipping(WriteKind kind, const WriteRow *row)
 	return written;
 }
 
-/* Write one row directly; false when it was skipped (a sweep's rule). */
+/*
+ * Write one row directly, setting "columns" (the rule's that the table
+ * has); false when it was skipped (a sweep's rule).
+ */
 static bool
-write_direct(IdemDirect *direct, const WriteRule *rule, WriteRow *row)
+write_direct(IdemDirect *direct, const WriteRule *rule, uint32 columns,
+			 WriteRow *row)
 {
 	IdemDirectResult result;
 
@@ -381,7 +385,7 @@ write_direct(IdemDirect *direct, const WriteRule *rule, WriteRow *row)
 			idem_direct_insert(direct, row->values, row->nulls);
 			return true;
 		case CMD_UPDATE:
-			result = idem_direct_update(direct, &row->tid, write_columns(rule),
+			result = idem_direct_update(direct, &row->tid, columns,
 										row->values, row->nulls,
 										!rule->skip_busy);
 			break;
@@ -408,10 +412,12 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 	write_section_begin(&section);
 	if (idem_direct_begin(&direct))
 	{
+		uint32		columns = write_columns(rule);
+
 		for (int i = 0; i < n; i++)
 		{
 			CHECK_FOR_INTERRUPTS();
-			if (write_direct(&direct, rule, &rows[i]))
+			if (write_direct(&direct, rule, columns, &rows[i]))
 				done++;
 			else if (!rule->skip_busy)
 				write_raise_vanished();
