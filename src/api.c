@@ -514,7 +514,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 			interval_from_ms((int64) idem_retention_s * 1000);
 		lease_until = add_interval(now, lease);
 		expires_at = Max(add_interval(now, retention), lease_until);
-		token = idem_write_next_token();
+		token = idem_write_claim_token(row.found ? &row : NULL);
 
 		if (!row.found)
 			idem_write_insert_claim(args->scope, args->key, token,
@@ -714,6 +714,22 @@ claim_result_values(const ClaimResult *res, Datum *values, bool *nulls)
 }
 
 /*
+ * Refuse a session-bound claim on a distributed table: Citus runs the call
+ * on the shard's node in a connection of its own, which neither lives nor
+ * ends with the client's session.
+ */
+static void
+claim_check_session_bound(void)
+{
+	if (idem_catalog_distributed())
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("session-bound claims are not supported when Citus distributes idempotency.keys"),
+				 errdetail("Citus runs the call in a connection of its own on the node that holds the scope, not in the client's session."),
+				 errhint("Claim with a lease (session_bound => false) and extend it while working.")));
+}
+
+/*
  * idem_claim(key, request, scope, lease, retention, wait, session_bound)
  *	  RETURNS SETOF idempotency.claim_result (outcome, token, attempt,
  *	  status, response_code, response_body, retry_after, phase,
@@ -742,6 +758,9 @@ idem_claim(PG_FUNCTION_ARGS)
 	}
 	PreventCommandDuringRecovery("idem_claim()");
 	idem_tenant_check(args.scope);
+	idem_catalog_select_scope(args.scope);
+	if (args.session_bound)
+		claim_check_session_bound();
 
 	args.has_fingerprint = !PG_ARGISNULL(1);
 	if (args.has_fingerprint)
@@ -865,6 +884,9 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	args.session_bound = PG_GETARG_BOOL(5);
 	PreventCommandDuringRecovery("idem_claim_many()");
 	idem_tenant_check(args.scope);
+	idem_catalog_select_scope(args.scope);
+	if (args.session_bound)
+		claim_check_session_bound();
 
 	result_init(fcinfo);
 	elem_cxt = AllocSetContextCreate(outer, "idempotency batch element",
@@ -982,6 +1004,7 @@ token_call_begin(TokenCall *call)
 
 	PreventCommandDuringRecovery(call_functions[call->kind]);
 	idem_tenant_check(scope);
+	idem_catalog_select_scope(scope);
 	call->hash = idem_key_hash(scope, key);
 	call->now = GetCurrentTimestamp();
 	for (;;)
@@ -1300,6 +1323,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 	bool		nulls[LOOKUP_RESULT_COLS] = {0};
 
 	idem_tenant_check(scope);
+	idem_catalog_select_scope(scope);
 	result_init(fcinfo);
 	idem_row_probe(scope, key, IDEM_PROBE_SNAPSHOT, true, &row);
 	if (!row.found || row.expires_at <= GetCurrentTimestamp())
@@ -1347,6 +1371,9 @@ idem_sweep(PG_FUNCTION_ARGS)
 	result_init(fcinfo);
 	start = GetCurrentTimestamp();
 	(void) idem_sweep_batch_run(batch, 0, NULL, &expired, &reset);
+	/* the coordinator of a distributed table sweeps every node's shards */
+	if (idem_catalog_distributed())
+		idem_citus_sweep_workers(batch, &expired, &reset);
 	idem_stats_sweep_done(GetCurrentTimestamp(),
 						  (double) (GetCurrentTimestamp() - start) / 1000.0);
 

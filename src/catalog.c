@@ -12,11 +12,22 @@
  * refusal is an ERROR with a SQLSTATE (42704 when the extension is not
  * installed, 55000 when its objects are missing or replaced).
  *
+ * When Citus distributes idempotency.keys by scope, the table the names
+ * find is an empty shell and the rows live in shards (keys_<shardid>, with
+ * indexes named likewise): every call first selects the shard that holds
+ * its scope (idem_catalog_select_scope), which must be on this node, and
+ * the store then reads and writes that shard's relations, never the
+ * shell.  The sweep and the key counts visit each local shard in turn
+ * (idem_catalog_select_local).  The shard map comes from Citus's metadata
+ * and is forgotten with the shell's cache entry, which Citus invalidates
+ * whenever a shard or placement changes.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
 #include "access/genam.h"
+#include "access/xact.h"
 #include "access/htup_details.h"
 #include "access/table.h"
 #include "catalog/dependency.h"
@@ -28,8 +39,10 @@
 #include "commands/extension.h"
 #include "storage/lmgr.h"
 #include "storage/sinval.h"
+#include "utils/builtins.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
+#include "utils/memutils.h"
 #include "utils/rel.h"
 
 #include "store.h"
@@ -59,14 +72,60 @@ static IdemCatalog cached;
 static bool cached_valid = false;
 static bool callback_registered = false;
 
+/* Whether Citus distributes the cached table, and its colocation group. */
+static bool cached_distributed = false;
+static int32 cached_colocation = 0;
+
+/*
+ * The shards of the distributed table, by hash range, each with its
+ * relations once checked (only local shards are ever checked).
+ */
+typedef struct ShardEntry
+{
+	IdemShard	shard;
+	bool		checked;
+	IdemCatalog catalog;
+} ShardEntry;
+
+static ShardEntry *shard_entries = NULL;
+static int	nshard_entries = 0;
+static bool shards_valid = false;
+static MemoryContext shard_cxt = NULL;
+
+/*
+ * The shard relations the store works on in this transaction (on a
+ * distributed table only), set by the selecting functions and forgotten
+ * when the transaction ends.
+ */
+static const IdemCatalog *selected = NULL;
+
+static bool
+catalog_is_of(const IdemCatalog *c, Oid relid)
+{
+	return relid == c->keys || relid == c->pkey || relid == c->sweep_idx ||
+		relid == c->session_idx || relid == c->token_seq;
+}
+
 /* Forget the cache when any of its relations changes. */
 static void
 catalog_relcache_callback(Datum arg, Oid relid)
 {
-	if (relid == InvalidOid || relid == cached.keys || relid == cached.pkey ||
-		relid == cached.sweep_idx || relid == cached.session_idx ||
-		relid == cached.token_seq)
+	if (relid == InvalidOid || catalog_is_of(&cached, relid))
+	{
 		cached_valid = false;
+		shards_valid = false;
+	}
+	for (int i = 0; i < nshard_entries; i++)
+		if (shard_entries[i].checked &&
+			(relid == InvalidOid || catalog_is_of(&shard_entries[i].catalog, relid)))
+			shard_entries[i].checked = false;
+}
+
+/* A transaction's selection of shard relations ends with it. */
+static void
+catalog_xact_callback(XactEvent event, void *arg)
+{
+	selected = NULL;
 }
 
 /*
@@ -129,15 +188,18 @@ static int
 catalog_check_columns(Relation heap)
 {
 	TupleDesc	desc = RelationGetDescr(heap);
+	char	   *what = psprintf("table \"idempotency.%s\"",
+								RelationGetRelationName(heap));
 
 	if (desc->natts != NUM_COLS && desc->natts != NUM_COLS_1_0)
-		idem_catalog_refuse_replaced("table \"idempotency.keys\"");
+		idem_catalog_refuse_replaced(what);
 	for (int i = 0; i < desc->natts; i++)
 		if (TupleDescAttr(desc, i)->atttypid != idem_keys_columns[i].type ||
 			TupleDescAttr(desc, i)->attisdropped ||
 			strcmp(NameStr(TupleDescAttr(desc, i)->attname),
 				   idem_keys_columns[i].name) != 0)
-			idem_catalog_refuse_replaced("table \"idempotency.keys\"");
+			idem_catalog_refuse_replaced(what);
+	pfree(what);
 	return desc->natts;
 }
 
@@ -220,14 +282,39 @@ catalog_find(IdemCatalog *found)
 }
 
 /*
+ * Is the table Citus distributes the one the extension made, distributed
+ * the one way the store can serve: by hash of scope?  Sets
+ * cached_distributed and cached_colocation for "found".
+ */
+static void
+catalog_check_distribution(const IdemCatalog *found)
+{
+	char		method;
+	int32		colocation;
+	char	   *column;
+
+	cached_distributed = false;
+	if (!idem_citus_table(found->keys, &method, &colocation, &column))
+		return;
+	if (method != 'h' || column == NULL || strcmp(column, "scope") != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("idempotency.keys is a Citus table not distributed by hash of scope"),
+				 errhint("Undistribute it (undistribute_table) and run SELECT idempotency.distribute().")));
+	cached_distributed = true;
+	cached_colocation = colocation;
+}
+
+/*
  * The extension's relations, found and checked, each locked by this
  * transaction.  The names are looked up again as long as invalidations
  * arrive during the lookup, until the OIDs we hold locks on are the ones
  * the names mean.  Nothing is cached until every check passed, so an error
- * leaves the cache invalid and the next call looks again.
+ * leaves the cache invalid and the next call looks again.  On a table
+ * Citus distributes, these are the shell's.
  */
-const IdemCatalog *
-idem_catalog(void)
+static const IdemCatalog *
+catalog_base(void)
 {
 	IdemCatalog found;
 
@@ -246,6 +333,7 @@ idem_catalog(void)
 	if (!callback_registered)
 	{
 		CacheRegisterRelcacheCallback(catalog_relcache_callback, (Datum) 0);
+		RegisterXactCallback(catalog_xact_callback, NULL);
 		callback_registered = true;
 	}
 	for (;;)
@@ -274,6 +362,7 @@ idem_catalog(void)
 			catalog_check_index(found.session_idx, found.keys, 1,
 								COL_OWNER_SESSION, 0, true);
 		}
+		catalog_check_distribution(&found);
 		if (inval_count == SharedInvalidMessageCounter)
 			break;
 	}
@@ -285,4 +374,274 @@ idem_catalog(void)
 	cached = found;
 	cached_valid = true;
 	return &cached;
+}
+
+/*
+ * The relations the store reads and writes: the extension's, or on a
+ * distributed table those of the shard this transaction selected last.
+ */
+const IdemCatalog *
+idem_catalog(void)
+{
+	const IdemCatalog *base = catalog_base();
+
+	if (!cached_distributed)
+		return base;
+	if (selected == NULL)
+		elog(ERROR, "idempotency: no shard of the distributed idempotency.keys is selected");
+	return selected;
+}
+
+/* Does Citus distribute idempotency.keys? */
+bool
+idem_catalog_distributed(void)
+{
+	(void) catalog_base();
+	return cached_distributed;
+}
+
+/* Load the shard map of the distributed table. */
+static void
+catalog_load_shards(void)
+{
+	IdemShard  *shards;
+	int			n;
+
+	if (shard_cxt == NULL)
+		shard_cxt = AllocSetContextCreate(TopMemoryContext,
+										  "idempotency shard map",
+										  ALLOCSET_SMALL_SIZES);
+	selected = NULL;
+	MemoryContextReset(shard_cxt);
+	shard_entries = NULL;
+	nshard_entries = 0;
+	n = idem_citus_shards(cached.keys, &shards, CurrentMemoryContext);
+	shard_entries = MemoryContextAllocZero(shard_cxt,
+										   sizeof(ShardEntry) * Max(n, 1));
+	for (int i = 0; i < n; i++)
+		shard_entries[i].shard = shards[i];
+	nshard_entries = n;
+	pfree(shards);
+	shards_valid = true;
+}
+
+/* The shard whose hash range holds "hash", or NULL. */
+static ShardEntry *
+catalog_shard_of(int32 hash)
+{
+	int			lo = 0;
+	int			hi = nshard_entries - 1;
+
+	while (lo <= hi)
+	{
+		int			mid = lo + (hi - lo) / 2;
+		ShardEntry *e = &shard_entries[mid];
+
+		if (hash < e->shard.min)
+			hi = mid - 1;
+		else if (hash > e->shard.max)
+			lo = mid + 1;
+		else
+			return e;
+	}
+	return NULL;
+}
+
+/* Lock and check the relations of a local shard (Citus names them by its id). */
+static void
+catalog_check_shard(ShardEntry *e)
+{
+	IdemCatalog found;
+	int64		id = e->shard.shardid;
+	char	   *name;
+	Relation	heap;
+
+	memset(&found, 0, sizeof(found));
+	found.shardid = id;
+	found.token_seq = cached.token_seq;
+	name = psprintf("keys_" INT64_FORMAT, id);
+	found.keys = idem_catalog_lock_relation(name);
+	if (!OidIsValid(found.keys))
+		idem_catalog_refuse_missing(psprintf("shard \"%s\"", name));
+	name = psprintf("keys_pkey_" INT64_FORMAT, id);
+	found.pkey = idem_catalog_lock_relation(name);
+	if (!OidIsValid(found.pkey))
+		idem_catalog_refuse_missing(psprintf("index \"%s\"", name));
+	name = psprintf("keys_sweep_at_idx_" INT64_FORMAT, id);
+	found.sweep_idx = idem_catalog_lock_relation(name);
+	if (!OidIsValid(found.sweep_idx))
+		idem_catalog_refuse_missing(psprintf("index \"%s\"", name));
+	heap = table_open(found.keys, AccessShareLock);
+	found.ncols = catalog_check_columns(heap);
+	found.owner = heap->rd_rel->relowner;
+	table_close(heap, NoLock);
+	catalog_check_index(found.pkey, found.keys, 2, COL_SCOPE, COL_KEY, false);
+	catalog_check_index(found.sweep_idx, found.keys, 1, COL_SWEEP_AT, 0, false);
+	if (found.ncols >= COL_OWNER_SESSION)
+	{
+		name = psprintf("keys_owner_session_idx_" INT64_FORMAT, id);
+		found.session_idx = idem_catalog_lock_relation(name);
+		if (!OidIsValid(found.session_idx))
+			idem_catalog_refuse_missing(psprintf("index \"%s\"", name));
+		catalog_check_index(found.session_idx, found.keys, 1,
+							COL_OWNER_SESSION, 0, true);
+	}
+	e->catalog = found;
+	e->checked = true;
+}
+
+/*
+ * Select the local shard "e" for the rest of the transaction: Citus's lock
+ * on its metadata first (a move waits for us, or we for it), then its
+ * relations.  False when the shard map changed meanwhile: look again.
+ */
+static bool
+catalog_select_shard(ShardEntry *e)
+{
+	if (idem_citus_lock_shard(cached_colocation, e->shard.index))
+		AcceptInvalidationMessages();
+	if (!cached_valid || !shards_valid)
+		return false;
+	if (!e->checked)
+		catalog_check_shard(e);
+	else
+		LockRelationOid(e->catalog.keys, AccessShareLock);
+	if (!shards_valid || !e->checked)
+		return false;
+	selected = &e->catalog;
+	return true;
+}
+
+/*
+ * Make the store work on the relations that hold "scope"'s keys: nothing
+ * to do on a table Citus does not distribute; else the shard of the
+ * scope, which must be on this node.  A call reaches the right node when
+ * Citus delegates it there (SELECT * FROM idempotency.idem_claim(...) on
+ * the coordinator, with the functions distributed by scope).
+ */
+void
+idem_catalog_select_scope(text *scope)
+{
+	bool		was_local = false;
+	int32		hash;
+
+	(void) catalog_base();
+	if (!cached_distributed)
+		return;
+	hash = idem_citus_hash(scope);
+	for (;;)
+	{
+		ShardEntry *e;
+
+		if (!cached_valid)
+		{
+			(void) catalog_base();
+			if (!cached_distributed)
+				return;
+		}
+		if (!shards_valid)
+			catalog_load_shards();
+		e = catalog_shard_of(hash);
+		if (e == NULL)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("no shard of idempotency.keys holds scope \"%s\"",
+							text_to_cstring(scope))));
+		if (!e->shard.local)
+		{
+			if (was_local)
+				ereport(ERROR,
+						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+						 errmsg("the shard holding idempotency scope \"%s\" moved to another node",
+								text_to_cstring(scope)),
+						 errhint("Retry the call.")));
+			ereport(ERROR,
+					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+					 errmsg("idempotency scope \"%s\" is stored on another node",
+							text_to_cstring(scope)),
+					 errdetail("Citus distributes idempotency.keys; shard " INT64_FORMAT " holds this scope and this node has no placement of it.",
+							   e->shard.shardid),
+					 errhint("Call the function on its own in a SELECT on the coordinator, so that Citus delegates it to that node; run SELECT idempotency.distribute() to set the functions up for that.")));
+		}
+		was_local = true;
+		if (catalog_select_shard(e))
+			return;
+	}
+}
+
+/*
+ * How many relations hold keys on this node: 1, or on a distributed table
+ * the number of shards placed here (0 on a coordinator that holds none).
+ * The shard map it counts stays as it is until the transaction selects a
+ * shard by scope or the map is invalidated.
+ */
+int
+idem_catalog_local_count(void)
+{
+	int			n = 0;
+
+	(void) catalog_base();
+	if (!cached_distributed)
+		return 1;
+	if (!shards_valid)
+		catalog_load_shards();
+	for (int i = 0; i < nshard_entries; i++)
+		if (shard_entries[i].shard.local)
+			n++;
+	return n;
+}
+
+/*
+ * Select the "i"th relation of idem_catalog_local_count's.  Returns false
+ * when it is gone (the shard map changed since it was counted: a shard
+ * moved away); the caller skips it.
+ */
+bool
+idem_catalog_select_local(int i)
+{
+	(void) catalog_base();
+	if (!cached_distributed)
+		return true;
+	if (!shards_valid)
+		return false;
+	for (int j = 0; j < nshard_entries; j++)
+	{
+		ShardEntry *e = &shard_entries[j];
+
+		if (!e->shard.local)
+			continue;
+		if (i-- == 0)
+			return catalog_select_shard(e) && selected == &e->catalog;
+	}
+	return false;
+}
+
+/*
+ * The relation this node reads for the extension's table "relid" (found as
+ * "name"): the table itself, or when Citus made it a reference table the
+ * local placement of its one shard.  A reference table without a local
+ * placement is refused: this node cannot see its rows.
+ */
+Oid
+idem_catalog_local_shard(Oid relid, const char *name)
+{
+	char		method;
+	int32		colocation;
+	char	   *column;
+	IdemShard  *shards;
+	int			n;
+	Oid			shard = InvalidOid;
+
+	if (!idem_citus_table(relid, &method, &colocation, &column))
+		return relid;
+	n = idem_citus_shards(relid, &shards, CurrentMemoryContext);
+	if (method == 'n' && n == 1 && shards[0].local)
+		shard = idem_catalog_lock_relation(psprintf("%s_" INT64_FORMAT, name,
+													shards[0].shardid));
+	if (!OidIsValid(shard))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("this node holds no placement of idempotency.%s", name),
+				 errhint("Run SELECT idempotency.distribute() on the coordinator.")));
+	return shard;
 }

@@ -42,6 +42,7 @@ idem_shmem_request(void)
 	idem_stats_shmem_request();
 	idem_worker_shmem_request();
 	idem_session_shmem_request();
+	idem_citus_shmem_request();
 }
 
 /* Create or attach the shared memory of every part. */
@@ -56,6 +57,7 @@ idem_shmem_startup(void)
 	idem_stats_shmem_startup();
 	idem_worker_shmem_startup();
 	idem_session_shmem_startup();
+	idem_citus_shmem_startup();
 	LWLockRelease(AddinShmemInitLock);
 }
 

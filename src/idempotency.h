@@ -44,7 +44,7 @@
  * install script ships with it, the last number counts releases of the
  * library that leave the SQL objects alone.
  */
-#define IDEM_VERSION			"1.4.0"
+#define IDEM_VERSION			"1.5.0"
 
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255
@@ -185,12 +185,18 @@ extern IdemKeyCountSource idem_row_count_keys(TimestampTz now,
 
 /* ---- catalog.c ---- */
 extern Oid	idem_catalog_lock_relation(const char *name);
+extern void idem_catalog_select_scope(text *scope);
+extern int	idem_catalog_local_count(void);
+extern bool idem_catalog_select_local(int i);
+extern bool idem_catalog_distributed(void);
+extern Oid	idem_catalog_local_shard(Oid relid, const char *name);
 extern void idem_catalog_check_member(Oid relid);
 IDEM_NORETURN extern void idem_catalog_refuse_replaced(const char *what);
 IDEM_NORETURN extern void idem_catalog_refuse_missing(const char *what);
 
 /* ---- write.c ---- */
 extern int64 idem_write_next_token(void);
+extern int64 idem_write_claim_token(const IdemRow *old);
 extern void idem_write_defer_token_flush(void);
 extern void idem_write_flush_tokens(bool flush);
 extern void idem_write_insert_claim(text *scope, text *key, int64 token,
@@ -265,6 +271,10 @@ extern void idem_wait_remember(uint64 hash);
 extern void idem_wait_wake_all(void);
 
 /* ---- session.c ---- */
+extern void idem_citus_sweep_workers(int batch, int64 *expired,
+									 int64 *reset);
+extern void idem_citus_shmem_request(void);
+extern void idem_citus_shmem_startup(void);
 extern void idem_session_shmem_request(void);
 extern void idem_session_shmem_startup(void);
 extern int64 idem_session_bind(void);

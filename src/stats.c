@@ -303,7 +303,8 @@ stats_check_view_privilege(void)
 }
 
 /*
- * idempotency.stats_key_counts(): this database's keys by status, and
+ * idempotency.stats_key_counts(): this database's keys by status (on
+ * Citus, those of the shards this node holds), and
  * whether the counts are exact (see idem_row_count_keys; the limit is
  * idempotency.stats_exact_limit).  Without an estimate the counts are NULL.
  */
@@ -319,8 +320,24 @@ idem_stats_key_counts(PG_FUNCTION_ARGS)
 	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
 		elog(ERROR, "return type must be a row type");
 	stats_check_view_privilege();
-	source = idem_row_count_keys(GetCurrentTimestamp(), idem_stats_exact_limit,
-								 counts);
+	/* on Citus, the keys of the shards this node holds */
+	source = IDEM_COUNT_EXACT;
+	memset(counts, 0, sizeof(counts));
+	for (int r = 0, nrel = idem_catalog_local_count(); r < nrel; r++)
+	{
+		int64		rel_counts[IDEM_NSTATUS];
+		IdemKeyCountSource rel_source;
+
+		if (!idem_catalog_select_local(r))
+			continue;
+		rel_source = idem_row_count_keys(GetCurrentTimestamp(),
+										 idem_stats_exact_limit, rel_counts);
+		for (int i = 0; i < IDEM_NSTATUS; i++)
+			counts[i] += rel_counts[i];
+		if (rel_source == IDEM_COUNT_UNKNOWN ||
+			(rel_source == IDEM_COUNT_ESTIMATE && source == IDEM_COUNT_EXACT))
+			source = rel_source;
+	}
 	for (int i = 0; i < IDEM_NSTATUS; i++)
 	{
 		values[i] = Int64GetDatum(counts[i]);

@@ -8,6 +8,7 @@
  *	  row.c      reads rows: the probe, fetches by ctid, the sweep's scan
  *	  write.c    every change to a row, by one table of write rules
  *	  direct.c   the table-AM writer that write.c uses when it may
+ *	  citus.c    what changes when Citus distributes the table
  *
  *-------------------------------------------------------------------------
  */
@@ -80,9 +81,31 @@ typedef struct IdemCatalog
 	int			ncols;			/* NUM_COLS, or NUM_COLS_1_0 before 1.4 */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
+	int64		shardid;		/* 0, or the Citus shard these relations
+								 * are (keys_<shardid> and its indexes) */
 } IdemCatalog;
 
 extern const IdemCatalog *idem_catalog(void);
+
+/* ---- citus.c ---- */
+
+/* A shard of a Citus table. */
+typedef struct IdemShard
+{
+	int64		shardid;
+	int32		min;			/* its range of scope hashes */
+	int32		max;
+	int			index;			/* its position among the table's shards */
+	bool		local;			/* this node holds an active placement */
+} IdemShard;
+
+extern bool idem_citus_table(Oid relid, char *method, int32 *colocationid,
+							 char **column);
+extern int	idem_citus_shards(Oid relid, IdemShard **shards,
+							  MemoryContext cxt);
+extern int32 idem_citus_hash(text *scope);
+extern bool idem_citus_lock_shard(int32 colocationid, int index);
+extern int64 idem_citus_claim_token(int64 token, int64 stored);
 
 /* ---- row.c ---- */
 extern bool idem_row_xmax_locks_other(uint16 infomask, TransactionId xmax);

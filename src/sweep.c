@@ -216,29 +216,24 @@ sweep_ended_sessions(MemoryContext cxt, TimestampTz now, int batch,
 }
 
 /*
- * Sweep at most "batch" keys of each kind (expired, reset) in the current
- * transaction, counting them into *expired and *reset.  Rows found before
- * their time (a key finished or extended after its claim) are rescheduled
- * on the way and do not count, so a call keeps fetching candidates until a
- * kind is full, nothing more is due, or every remaining candidate was
- * skipped; "max_fetches" (0: no limit) bounds that for the worker, which
- * slices its visits by time.  The keys of ended sessions are looked for
- * when "sessions_seen" is NULL (idem_sweep) or when sessions with a binding
- * ended since the count it holds (the worker's), which is then moved on.
- * Returns true when more rows may be due.
+ * Sweep one relation of keys (the table, or a local shard on Citus): at
+ * most "batch" keys of each kind, counted into *expired and *reset; the
+ * keys of ended sessions too when "sessions" is set, after which
+ * *sessions_done tells whether all of them were seen to.  Returns true
+ * when more rows may be due.
  */
-bool
-idem_sweep_batch_run(int batch, int max_fetches, uint64 *sessions_seen,
-					 int64 *expired, int64 *reset)
+static bool
+sweep_relation(int batch, int max_fetches, bool sessions, bool *sessions_done,
+			   int64 *expired, int64 *reset)
 {
 	TimestampTz now = GetCurrentTimestamp();
 	int			limit = (int) Min((int64) batch * 2, (int64) PG_INT32_MAX);
 	bool		more = false;
 	MemoryContext fetch_cxt;
-	uint64		ends;
 
 	*expired = 0;
 	*reset = 0;
+	*sessions_done = !sessions;
 
 	fetch_cxt = AllocSetContextCreate(CurrentMemoryContext,
 									  "idempotency sweep fetch",
@@ -270,19 +265,69 @@ idem_sweep_batch_run(int batch, int max_fetches, uint64 *sessions_seen,
 		if (!more || *expired >= batch || *reset >= batch)
 			break;
 	}
-	ends = idem_session_ends();
-	if (*expired < batch && *reset < batch &&
-		(sessions_seen == NULL || ends == 0 || ends != *sessions_seen))
+	if (sessions && *expired < batch && *reset < batch)
 	{
 		MemoryContextReset(fetch_cxt);
 		if (sweep_ended_sessions(fetch_cxt, now, batch, expired, reset))
 			more = true;		/* not done with them: look again next time */
-		else if (sessions_seen != NULL)
-			*sessions_seen = ends;
+		else
+			*sessions_done = true;
 	}
 	MemoryContextDelete(fetch_cxt);
+	return more || *expired >= batch || *reset >= batch;
+}
+
+/*
+ * Sweep at most "batch" keys of each kind (expired, reset) in the current
+ * transaction, in each relation that holds keys on this node (one, or on
+ * Citus each local shard: a node sweeps the shards it holds, and a
+ * coordinator that holds none sweeps nothing), counting them into
+ * *expired and *reset.  Rows found before
+ * their time (a key finished or extended after its claim) are rescheduled
+ * on the way and do not count, so a call keeps fetching candidates until a
+ * kind is full, nothing more is due, or every remaining candidate was
+ * skipped; "max_fetches" (0: no limit) bounds that for the worker, which
+ * slices its visits by time.  The keys of ended sessions are looked for
+ * when "sessions_seen" is NULL (idem_sweep) or when sessions with a binding
+ * ended since the count it holds (the worker's), which is then moved on.
+ * Returns true when more rows may be due.
+ */
+bool
+idem_sweep_batch_run(int batch, int max_fetches, uint64 *sessions_seen,
+					 int64 *expired, int64 *reset)
+{
+	uint64		ends = idem_session_ends();
+	bool		sessions = sessions_seen == NULL || ends == 0 ||
+		ends != *sessions_seen;
+	bool		all_sessions_done = true;
+	bool		more = false;
+	int			nrel = idem_catalog_local_count();
+
+	*expired = 0;
+	*reset = 0;
+	for (int r = 0; r < nrel; r++)
+	{
+		int64		rel_expired;
+		int64		rel_reset;
+		bool		sessions_done;
+
+		if (!idem_catalog_select_local(r))
+		{
+			more = true;		/* the shard map changed: look again */
+			all_sessions_done = false;
+			continue;
+		}
+		if (sweep_relation(batch, max_fetches, sessions, &sessions_done,
+						   &rel_expired, &rel_reset))
+			more = true;
+		all_sessions_done &= sessions_done;
+		*expired += rel_expired;
+		*reset += rel_reset;
+	}
+	if (sessions && all_sessions_done && sessions_seen != NULL)
+		*sessions_seen = ends;
 
 	idem_stats_count(IDEM_STAT_EXPIRED, *expired);
 	idem_stats_count(IDEM_STAT_RESET, *reset);
-	return more || *expired >= batch || *reset >= batch;
+	return more;
 }

@@ -10,7 +10,8 @@
  * called them.  The cache is reloaded, with the latest snapshot, after any
  * change to the table: its statement trigger sends a relcache invalidation
  * that every backend receives.  With no bindings at all the check costs a cached boolean.
- * Must not touch idempotency.keys.
+ * Reads nothing of idempotency.keys but whether Citus distributes it: then
+ * the bindings must be a reference table, read from this node's placement.
  *
  *-------------------------------------------------------------------------
  */
@@ -29,6 +30,7 @@
 #include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
+#include "storage/lmgr.h"
 
 #include "idempotency.h"
 
@@ -61,6 +63,17 @@ static bool invalidated_during_load = false;
 static Oid	bindings_relid = InvalidOid;
 static bool callback_registered = false;
 
+/*
+ * The relation the bindings are read from: the table itself, or on Citus
+ * the local placement of the reference table it was made.  Citus writes a
+ * reference table's placements on every node without firing the table's
+ * trigger there, so nothing tells a node's backends that the bindings
+ * changed: on Citus the list is read again at every call.
+ */
+static Oid	read_relid = InvalidOid;
+static Oid	bindings_relid_read_for = InvalidOid;
+static bool read_relid_valid = false;
+
 PG_FUNCTION_INFO_V1(idem_scope_bindings_changed);
 
 /* Drop the cache when the bindings table changes (or on a full reset). */
@@ -71,6 +84,7 @@ tenant_relcache_callback(Datum arg, Oid relid)
 	{
 		cache_valid = false;
 		invalidated_during_load = true;
+		read_relid_valid = false;
 	}
 }
 
@@ -137,7 +151,26 @@ tenant_load(void)
 	/* Invalidations queued before the lock are in what we read now. */
 	invalidated_during_load = false;
 	idem_catalog_check_member(relid);
-	rel = table_open(relid, NoLock);
+	if (!read_relid_valid || relid != bindings_relid_read_for)
+	{
+		read_relid = idem_catalog_local_shard(relid, "scope_bindings");
+		bindings_relid_read_for = relid;
+		read_relid_valid = true;
+	}
+	else if (read_relid != relid)
+		LockRelationOid(read_relid, AccessShareLock);
+
+	/*
+	 * With keys distributed, bindings kept in a plain table would be seen
+	 * by the node where they were made only: refuse rather than let a
+	 * bound role through on the others.
+	 */
+	if (read_relid == relid && idem_catalog_distributed())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency.keys is distributed but idempotency.scope_bindings is not a reference table"),
+				 errhint("Run SELECT idempotency.distribute() on the coordinator.")));
+	rel = table_open(read_relid, NoLock);
 	if (RelationGetNumberOfAttributes(rel) != 2 ||
 		TupleDescAttr(RelationGetDescr(rel), 0)->atttypid != REGROLEOID ||
 		TupleDescAttr(RelationGetDescr(rel), 1)->atttypid != TEXTOID)
@@ -180,7 +213,7 @@ tenant_load(void)
 	 * The list serves this call either way; it is kept for later calls only
 	 * if no change to the table arrived while we read it.
 	 */
-	cache_valid = !invalidated_during_load;
+	cache_valid = !invalidated_during_load && read_relid == relid;
 }
 
 /*

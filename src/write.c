@@ -708,6 +708,22 @@ idem_write_next_token(void)
 }
 
 /*
+ * The token of a claim that writes over "old" (NULL: a new key): the next
+ * one, and on a distributed table also above the key's current token (a
+ * shard may have moved here from a node whose sequence was ahead).
+ */
+int64
+idem_write_claim_token(const IdemRow *old)
+{
+	int64		token = idem_write_next_token();
+
+	if (idem_catalog()->shardid != 0)
+		token = idem_citus_claim_token(token, old != NULL && old->has_token ?
+									   old->token : 0);
+	return token;
+}
+
+/*
  * A batch of claims begins: the tokens it draws reach the client only when
  * it returns, so their WAL is flushed once then (idem_write_flush_tokens)
  * instead of every 32 tokens.  idem_write_flush_tokens must follow, also
