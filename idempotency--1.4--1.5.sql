@@ -142,7 +142,7 @@ GRANT SELECT ON idempotency.cluster_stats TO PUBLIC;
  * unbind_scope as a plain statement: Citus cannot plan a DELETE inside a
  * WITH on a reference table.
  */
-CREATE OR REPLACE CREATE FUNCTION idempotency.unbind_scope(role regrole)
+CREATE OR REPLACE FUNCTION idempotency.unbind_scope(role regrole)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE STRICT
 SET search_path = pg_catalog, pg_temp

@@ -127,8 +127,8 @@ $md5{failed} = body_md5($node, 'postgres', $failed_body);
 # A fresh 1.4 install, to compare with
 # =========================================================================
 sql('postgres', 'CREATE DATABASE fresh');
-sql('fresh', 'CREATE EXTENSION idempotency');
-is(ext_version('fresh'), '1.4', 'fresh: 1.4 is the default version');
+sql('fresh', "CREATE EXTENSION idempotency VERSION '1.4'");
+is(ext_version('fresh'), '1.4', 'fresh: 1.4 is installed');
 my $fresh_columns = sql('fresh', $view_columns_sql);
 like($fresh_columns, qr/, key_counts_exact boolean, checkpoints bigint$/,
 	'fresh: the stats view ends with key_counts_exact and checkpoints');
@@ -210,8 +210,8 @@ ALTER VIEW idempotency.stats SET (security_barrier = true);
 	my $seq  = sql($db, $seq_sql);
 
 	# --- the update --------------------------------------------------------
-	is(sqlstate_of($node, $db, 'ALTER EXTENSION idempotency UPDATE'), '00000',
-		"$db: ALTER EXTENSION idempotency UPDATE succeeds");
+	is(sqlstate_of($node, $db, "ALTER EXTENSION idempotency UPDATE TO '1.4'"), '00000',
+		"$db: ALTER EXTENSION idempotency UPDATE TO '1.4' succeeds");
 	is(ext_version($db), '1.4', "$db: updated to 1.4");
 	is(key_rows($node, $db), $rows,
 		"$db: every stored row is the same tuple (ctid, xmin), column for column");
@@ -363,7 +363,7 @@ foreach my $from (@from)
 	(my $db = "cat_$from") =~ s/\./_/;
 	sql('postgres', "CREATE DATABASE $db");
 	sql($db, "CREATE EXTENSION idempotency VERSION '$from'");
-	is(sqlstate_of($node, $db, 'ALTER EXTENSION idempotency UPDATE'), '00000',
+	is(sqlstate_of($node, $db, "ALTER EXTENSION idempotency UPDATE TO '1.4'"), '00000',
 		"$db: updated from $from");
 	is(ext_version($db), '1.4', "$db: 1.4");
 	foreach my $what (sort keys %catalog)
@@ -387,7 +387,7 @@ my $dep_seq  = sql('dep', $seq_sql);
 my %dep_catalog;
 $dep_catalog{$_} = sql('dep', $catalog{$_}) foreach keys %catalog;
 
-($state, $out, $err) = sql_result($node, 'dep', 'ALTER EXTENSION idempotency UPDATE');
+($state, $out, $err) = sql_result($node, 'dep', "ALTER EXTENSION idempotency UPDATE TO '1.4'");
 is($state, '2BP01', 'dep: a view on idem_claim makes the update fail (2BP01)');
 like($err, qr/view public\.claim_view depends on function idem_claim/,
 	'dep: the error names the view');
@@ -407,7 +407,7 @@ is(sql('dep', "SELECT status FROM idempotency.idem_lookup('dep-pending')"), 'suc
 	'dep: and looks it up');
 
 sql('dep', 'DROP VIEW public.claim_view');
-is(sqlstate_of($node, 'dep', 'ALTER EXTENSION idempotency UPDATE'), '00000',
+is(sqlstate_of($node, 'dep', "ALTER EXTENSION idempotency UPDATE TO '1.4'"), '00000',
 	'dep: without the view, the update succeeds');
 sql('dep',
 	"CREATE VIEW public.claim_view AS SELECT outcome, response_code, phase "

@@ -1,11 +1,12 @@
 -- privileges.sql (pgTAP): application roles use the functions and nothing
 -- else.  The schema's USAGE is the DBA's grant; the client functions are
--- EXECUTE for PUBLIC; idem_sweep is not; the table and the sequence are
--- nobody's but the owner's.
+-- EXECUTE for PUBLIC; idem_sweep and distribute are not; the stats and
+-- cluster_stats views are readable by PUBLIC; the table and the sequence
+-- are nobody's but the owner's.
 \set ON_ERROR_STOP 1
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
-SELECT plan(79);
+SELECT plan(86);
 
 CREATE ROLE regress_idem_app NOLOGIN;
 CREATE ROLE regress_idem_nousage NOLOGIN;
@@ -60,6 +61,15 @@ SELECT table_privs_are('idempotency', 'scope_bindings', 'public', ARRAY[]::name[
                        'PUBLIC has no privilege on idempotency.scope_bindings');
 SELECT table_privs_are('idempotency', 'stats', 'public', ARRAY['SELECT']::name[],
                        'PUBLIC may read the stats view');
+SELECT ok(NOT has_function_privilege('public', 'idempotency.distribute(integer)', 'EXECUTE'),
+          'PUBLIC may not execute distribute');
+SELECT ok(NOT has_function_privilege('regress_idem_app', 'idempotency.distribute(integer)', 'EXECUTE'),
+          'the app role may not execute distribute');
+SELECT table_privs_are('idempotency', 'cluster_stats', 'public', ARRAY['SELECT']::name[],
+                       'PUBLIC may read the cluster_stats view');
+-- a view's functions run with the reader's EXECUTE privilege
+SELECT ok(has_function_privilege('public', 'idempotency.cluster_stats_rows()', 'EXECUTE'),
+          'PUBLIC may execute cluster_stats_rows, which the view calls');
 SELECT ok(NOT EXISTS (SELECT 1 FROM pg_attribute
                        WHERE attrelid = 'idempotency.keys'::regclass AND attnum > 0
                          AND attacl IS NOT NULL),
@@ -142,6 +152,12 @@ SELECT cmp_ok((SELECT succeeded FROM idempotency.stats WHERE database = current_
               'with the key counts it has no table privilege for');
 SELECT is((SELECT key_counts_exact FROM idempotency.stats WHERE database = current_database()), true,
           'counted exactly on a small table');
+SELECT throws_ok('SELECT idempotency.distribute()', '42501', NULL,
+                 'the app role cannot distribute the table');
+SELECT throws_ok('SELECT idempotency.distribute(4)', '42501', NULL, 'with a shard count neither');
+SELECT results_eq($$SELECT node, succeeded FROM idempotency.cluster_stats$$,
+                  $$SELECT 'local'::text, succeeded FROM idempotency.stats WHERE database = current_database()$$,
+                  'the app role reads cluster_stats: this server''s row, as in stats');
 RESET ROLE;
 
 -- the rows the app role made are real and owned by nobody but the table

@@ -5,14 +5,14 @@
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 SET LOCAL intervalstyle = 'postgres';
-SELECT plan(165);
+SELECT plan(191);
 
 -- the extension
 SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
 SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
           'the extension is not relocatable');
-SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.4',
-          'extension version 1.4');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.5',
+          'extension version 1.5');
 SELECT has_schema('idempotency');
 
 -- the table
@@ -270,6 +270,73 @@ SELECT isnt_definer('idempotency', 'bind_scope', ARRAY['regrole', 'text']);
 SELECT has_function('idempotency', 'unbind_scope', ARRAY['regrole']);
 SELECT function_returns('idempotency', 'unbind_scope', ARRAY['regrole'], 'boolean');
 SELECT isnt_definer('idempotency', 'unbind_scope', ARRAY['regrole']);
+-- a plain DELETE in PL/pgSQL (Citus cannot plan a DELETE inside a WITH on a
+-- reference table), STRICT as before
+SELECT function_lang_is('idempotency', 'unbind_scope', ARRAY['regrole'], 'plpgsql');
+SELECT is_strict('idempotency', 'unbind_scope', ARRAY['regrole']);
+SELECT volatility_is('idempotency', 'unbind_scope', ARRAY['regrole'], 'volatile');
+
+-- Citus: distribute() and the cluster_stats view
+SELECT has_function('idempotency', 'distribute', ARRAY['integer']);
+SELECT is(pg_get_function_arguments('idempotency.distribute(integer)'::regprocedure),
+          'shard_count integer DEFAULT NULL::integer', 'distribute arguments and defaults');
+SELECT function_returns('idempotency', 'distribute', ARRAY['integer'], 'void');
+SELECT function_lang_is('idempotency', 'distribute', ARRAY['integer'], 'plpgsql');
+SELECT volatility_is('idempotency', 'distribute', ARRAY['integer'], 'volatile');
+SELECT isnt_definer('idempotency', 'distribute', ARRAY['integer']);
+SELECT isnt_strict('idempotency', 'distribute', ARRAY['integer']);
+SELECT has_function('idempotency', 'cluster_stats_rows', ARRAY[]::name[]);
+SELECT is(pg_get_function_result('idempotency.cluster_stats_rows()'::regprocedure),
+          'TABLE(node text, database name, claims bigint, takeovers bigint, replays bigint, in_progress bigint, mismatches bigint, finishes bigint, releases bigint, expired bigint, reset bigint, last_sweep_at timestamp with time zone, last_sweep_ms double precision, pending bigint, succeeded bigint, failed bigint, key_counts_exact boolean, checkpoints bigint)',
+          'cluster_stats_rows returns one row per node: the node, then the stats columns');
+SELECT function_lang_is('idempotency', 'cluster_stats_rows', ARRAY[]::name[], 'plpgsql');
+SELECT volatility_is('idempotency', 'cluster_stats_rows', ARRAY[]::name[], 'stable');
+SELECT isnt_definer('idempotency', 'cluster_stats_rows', ARRAY[]::name[]);
+SELECT has_function('idempotency', 'cluster_stats_failed', ARRAY['text', 'integer', 'text']);
+SELECT function_returns('idempotency', 'cluster_stats_failed', ARRAY['text', 'integer', 'text'], 'json');
+SELECT function_lang_is('idempotency', 'cluster_stats_failed', ARRAY['text', 'integer', 'text'], 'plpgsql');
+SELECT isnt_definer('idempotency', 'cluster_stats_failed', ARRAY['text', 'integer', 'text']);
+SELECT is((SELECT array_agg(p.proname::text || ':' || array_to_string(p.proconfig, ';') ORDER BY p.proname)
+             FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+            WHERE n.nspname = 'idempotency'
+              AND p.prolang <> (SELECT oid FROM pg_language WHERE lanname = 'c')),
+          ARRAY['bind_scope:search_path=pg_catalog, pg_temp',
+                'cluster_stats_failed:search_path=pg_catalog, pg_temp',
+                'cluster_stats_rows:search_path=pg_catalog, pg_temp',
+                'distribute:search_path=pg_catalog, pg_temp',
+                'unbind_scope:search_path=pg_catalog, pg_temp'],
+          'every SQL and PL/pgSQL function runs with search_path pg_catalog, pg_temp');
+SELECT has_view('idempotency', 'cluster_stats', 'view idempotency.cluster_stats exists');
+SELECT views_are('idempotency', ARRAY['stats', 'cluster_stats'], 'the two views');
+SELECT is((SELECT string_agg(attname || ' ' || format_type(atttypid, atttypmod), ', ' ORDER BY attnum)
+             FROM pg_attribute WHERE attrelid = 'idempotency.cluster_stats'::regclass AND attnum > 0),
+          'node text, ' || (SELECT string_agg(attname || ' ' || format_type(atttypid, atttypmod), ', ' ORDER BY attnum)
+                              FROM pg_attribute WHERE attrelid = 'idempotency.stats'::regclass AND attnum > 0),
+          'cluster_stats: node, then the columns of stats with their types, in order');
+SELECT set_eq($$SELECT p.oid::regprocedure::text FROM pg_depend d JOIN pg_proc p ON p.oid = d.objid
+                 WHERE d.classid = 'pg_proc'::regclass AND d.deptype = 'e'
+                   AND d.refclassid = 'pg_extension'::regclass
+                   AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency')$$,
+              ARRAY['idempotency.bind_scope(regrole,text)',
+                    'idempotency.cluster_stats_failed(text,integer,text)',
+                    'idempotency.cluster_stats_rows()',
+                    'idempotency.distribute(integer)',
+                    'idempotency.idem_checkpoint(text,bigint,text,jsonb,text)',
+                    'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean)',
+                    'idempotency.idem_claim_many(text[],jsonb[],text,interval,interval,boolean)',
+                    'idempotency.idem_extend(text,bigint,interval,text)',
+                    'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval)',
+                    'idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval)',
+                    'idempotency.idem_lookup(text,text)',
+                    'idempotency.idem_release(text,bigint,text)',
+                    'idempotency.idem_sweep(integer)',
+                    'idempotency.idem_version()',
+                    'idempotency.scope_bindings_changed()',
+                    'idempotency.stats_counters()',
+                    'idempotency.stats_key_counts()',
+                    'idempotency.stats_reset()',
+                    'idempotency.unbind_scope(regrole)'],
+              'the extension''s functions, each with its signature, and no other');
 
 -- they work: one round trip
 SELECT is((SELECT outcome FROM idempotency.idem_claim('schema-1', '{"a": 1}', 'pgtap-schema')), 'claimed',
@@ -300,7 +367,14 @@ BEGIN
 END
 $$;
 SELECT is((SELECT outcome FROM declared), 'mismatch', 'a variable of type claim_result holds an outcome row');
-SELECT is(idempotency.idem_version(), '1.4.0', 'idem_version() names the loaded library, 1.4.0');
+-- without Citus: distribute() refuses, cluster_stats shows this server
+SELECT throws_ok('SELECT idempotency.distribute()', '55000',
+                 'extension "citus" is not installed in this database',
+                 'distribute() without Citus raises 55000');
+SELECT results_eq($$SELECT node, database FROM idempotency.cluster_stats$$,
+                  $$VALUES ('local'::text, current_database())$$,
+                  'cluster_stats without Citus: one row, node local, this database');
+SELECT is(idempotency.idem_version(), '1.5.0', 'idem_version() names the loaded library, 1.5.0');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
