@@ -214,13 +214,13 @@ suite_pgtap() {
 
 # TAP: each t/*.pl through prove, as postgres, with PostgreSQL::Test::* set up.
 suite_tap() {
-	local src=$1 file base pgxs
+	local src=$1 file base pgxs log
 	shift
 	(($#)) || return 0
 	pgxs="$("$PG_CONFIG" --pkglibdir)/pgxs"
 	echo
 	echo "== TAP: $# files (prove, as $PG_OS_USER)"
-	rm -rf "$src/tmp_check"
+	rm -rf "$src/tmp_check" "$src/log"
 	local -a env
 	mapfile -t env < <(suite_env)
 	for file in "$@"; do
@@ -232,10 +232,13 @@ suite_tap() {
 		else
 			test_fail "tap/$file"
 			base=$(basename "$file" .pl)
-			if [[ -f $src/tmp_check/log/regress_log_$base ]]; then
-				echo "== last lines of tmp_check/log/regress_log_$base"
-				tail -n 60 "$src/tmp_check/log/regress_log_$base"
-			fi
+			# PostgreSQL 17 and later keep the TAP logs in log/, older ones in tmp_check/log/
+			for log in "$src/tmp_check/log/regress_log_$base" "$src/log/regress_log_$base"; do
+				if [[ -f $log ]]; then
+					echo "== last lines of ${log#"$src"/}"
+					tail -n 60 "$log"
+				fi
+			done
 		fi
 	done
 }

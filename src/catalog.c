@@ -40,6 +40,7 @@
 #include "storage/lmgr.h"
 #include "storage/sinval.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
@@ -512,6 +513,15 @@ catalog_select_shard(ShardEntry *e)
 	return true;
 }
 
+/* Is this session one of Citus's own connections (a delegated call)? */
+static bool
+catalog_citus_connection(void)
+{
+	const char *name = GetConfigOption("application_name", true, false);
+
+	return name != NULL && strncmp(name, "citus_internal", 14) == 0;
+}
+
 /*
  * Make the store work on the relations that hold "scope"'s keys: nothing
  * to do on a table Citus does not distribute; else the shard of the
@@ -549,7 +559,12 @@ idem_catalog_select_scope(text *scope)
 							text_to_cstring(scope))));
 		if (!e->shard.local)
 		{
-			if (was_local)
+			/*
+			 * Citus sent this call here (its connections name themselves
+			 * citus_internal) by metadata that a shard move changed since:
+			 * retryable, like a move that finished while we waited.
+			 */
+			if (was_local || catalog_citus_connection())
 				ereport(ERROR,
 						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
 						 errmsg("the shard holding idempotency scope \"%s\" moved to another node",

@@ -11,7 +11,8 @@
  * table: the direct writer (direct.c) where the table is as the extension
  * made it, and otherwise an SQL statement built from the same rule and
  * prepared once per backend, so that a user's trigger, rule or row
- * security still applies.  Every write runs as the table's owner in a
+ * security still applies (not on Citus's shards, which only the direct
+ * writer writes).  Every write runs as the table's owner in a
  * restricted security context (a write section).
  * Must not decide outcomes (api.c and sweep.c do), and must never wait on
  * another transaction's row: callers write only under the key's lock,
@@ -426,6 +427,16 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 	}
 	else
 	{
+		/*
+		 * The statements name idempotency.keys, which on a distributed table
+		 * means every shard: a write by ctid would reach other scopes' rows.
+		 */
+		if (idem_catalog()->shardid != 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+					 errmsg("the shards of idempotency.keys have triggers, rules or row security"),
+					 errdetail("When Citus distributes idempotency.keys the extension writes a scope's shard directly, which would bypass them."),
+					 errhint("Drop them from idempotency.keys.")));
 		if (SPI_connect() != SPI_OK_CONNECT)
 			elog(ERROR, "SPI_connect failed");
 		for (int i = 0; i < n; i++)

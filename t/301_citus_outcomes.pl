@@ -20,7 +20,10 @@
 #     answers in_progress to a second claim;
 #   - a call that Citus does not delegate (an expression around the call,
 #     or a call on a node that does not hold the scope) is refused with
-#     0A000 and writes nothing; a session-bound claim is refused with 0A000;
+#     0A000 and writes nothing; a session-bound claim is refused with 0A000,
+#     and so is a write while the shards have a trigger (the library writes
+#     shards directly only); a call on either worker is served by the one
+#     that holds the scope;
 #   - scope bindings made on the coordinator confine the bound role on the
 #     workers (42501) and unbinding frees it there;
 #   - the stats view of each node counts that node's own calls and keys,
@@ -195,6 +198,23 @@ is(sqlstate_of($coordinator, 'postgres',
 	'0A000', 'a session-bound batch: 0A000');
 is(coord('SELECT count(*) FROM idempotency.keys'),
 	$keys_before, 'the refused calls wrote nothing');
+
+# A trigger on the distributed table reaches its shards.  The library
+# writes a shard only directly, which would bypass the trigger, so it
+# refuses instead, and serves again once the trigger is gone.
+coord(q{CREATE FUNCTION public.keep_row() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RETURN NEW; END$$});
+coord(q{SET citus.enable_unsafe_triggers = on;
+CREATE TRIGGER keep_row BEFORE INSERT OR UPDATE ON idempotency.keys
+	FOR EACH ROW EXECUTE FUNCTION public.keep_row()});
+($state, $out, $err) = sql_result($coordinator, 'postgres',
+	"SELECT * FROM idempotency.idem_claim('triggered', scope => 'tenant-3')");
+is($state, '0A000', 'a claim while the shards have a trigger: 0A000');
+like($err, qr/the shards of idempotency\.keys have triggers/, 'which says why');
+coord("SET citus.enable_unsafe_triggers = on;\nDROP TRIGGER keep_row ON idempotency.keys");
+is(coord("SELECT outcome FROM idempotency.idem_claim('triggered', scope => 'tenant-3')"),
+	'claimed', 'without the trigger the claim is served');
+is(coord('SELECT count(*) FROM idempotency.keys'),
+	$keys_before + 1, 'and only that claim wrote a key');
 
 # A call on a worker is served by the node that holds the scope: there,
 # or delegated by Citus from the other worker.

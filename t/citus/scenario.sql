@@ -37,6 +37,18 @@ SELECT status, attempt, response_code, response_body, phase FROM idempotency.ide
 \echo :SQLSTATE
 SELECT count(*) FROM idempotency.idem_lookup('nobody', scope => 'sc1');
 \echo :SQLSTATE
+SELECT idempotency.idem_extend('a', :ta, '1 min', scope => 'sc1');
+\echo extend a finished key: :SQLSTATE
+SELECT idempotency.idem_checkpoint('a', :ta, 'late', scope => 'sc1');
+\echo checkpoint a finished key: :SQLSTATE
+-- a failure is stored and replayed as one
+SELECT token AS tg FROM idempotency.idem_claim('g', scope => 'sc1') \gset
+SELECT status, attempt FROM idempotency.idem_lookup('g', scope => 'sc1');
+SELECT e IS NOT NULL FROM idempotency.idem_finish('g', :tg, 502, '{"error": "upstream"}', scope => 'sc1', status => 'failed') e;
+\echo :SQLSTATE
+SELECT outcome, status, response_code, response_body FROM idempotency.idem_claim('g', scope => 'sc1');
+SELECT idempotency.idem_finish('g', :tg, 200, scope => 'sc1', status => 'maybe');
+\echo an unknown status: :SQLSTATE
 -- the same key in another scope is another key
 SELECT outcome, attempt FROM idempotency.idem_claim('a', scope => 'sc2');
 \echo :SQLSTATE
@@ -79,6 +91,11 @@ SELECT ord FROM idempotency.idem_finish_many(ARRAY['m3', 'm4'], :'mt'::bigint[],
 \echo finish a batch twice: :SQLSTATE
 SELECT ord FROM idempotency.idem_finish_many(ARRAY['m3'], ARRAY[1, 2]::bigint[], scope => 'sc1');
 \echo arrays of different lengths: :SQLSTATE
+SELECT array_agg(token ORDER BY key) AS mt2 FROM idempotency.idem_claim_many(ARRAY['m5', 'm6'], scope => 'sc1') \gset
+SELECT '{' || (:'mt2'::bigint[])[1] || ', 1}' AS bad \gset
+SELECT ord FROM idempotency.idem_finish_many(ARRAY['m5', 'm6'], :'bad'::bigint[], scope => 'sc1');
+\echo a batch with one wrong token: :SQLSTATE
+SELECT status FROM idempotency.idem_lookup('m5', scope => 'sc1');
 SELECT outcome, response_code FROM idempotency.idem_claim('m4', scope => 'sc1');
 
 -- everything in one transaction: a rolled-back claim leaves nothing
