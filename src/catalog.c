@@ -265,21 +265,51 @@ idem_catalog_lock_relation(const char *name)
 	}
 }
 
-/* Look the extension's relations up into *found, each locked. */
-static void
-catalog_find(IdemCatalog *found)
+/*
+ * The index "name" + "suffix" of the extension's schema, locked; refuses
+ * (55000) when it is missing.
+ */
+static Oid
+catalog_lock_index(const char *name, const char *suffix)
 {
-	memset(found, 0, sizeof(IdemCatalog));
-	found->keys = idem_catalog_lock_relation("keys");
-	found->token_seq = idem_catalog_lock_relation("token_seq");
-	if (!OidIsValid(found->keys) || !OidIsValid(found->token_seq))
-		catalog_refuse_not_installed();
-	found->pkey = idem_catalog_lock_relation("keys_pkey");
-	if (!OidIsValid(found->pkey))
-		idem_catalog_refuse_missing("index \"keys_pkey\"");
-	found->sweep_idx = idem_catalog_lock_relation("keys_sweep_at_idx");
-	if (!OidIsValid(found->sweep_idx))
-		idem_catalog_refuse_missing("index \"keys_sweep_at_idx\"");
+	char	   *full = psprintf("%s%s", name, suffix);
+	Oid			relid = idem_catalog_lock_relation(full);
+
+	if (!OidIsValid(relid))
+		idem_catalog_refuse_missing(psprintf("index \"%s\"", full));
+	pfree(full);
+	return relid;
+}
+
+/*
+ * Lock the indexes of the table found->keys, named as the extension names
+ * them followed by "suffix" (Citus names a shard's relations after the
+ * table's, with "_<shardid>" appended), and check the table and its
+ * indexes: the columns the store uses, its owner, and the indexes it
+ * scans directly.
+ */
+static void
+catalog_check_store(IdemCatalog *found, const char *suffix)
+{
+	Relation	heap;
+
+	found->pkey = catalog_lock_index("keys_pkey", suffix);
+	found->sweep_idx = catalog_lock_index("keys_sweep_at_idx", suffix);
+	heap = table_open(found->keys, AccessShareLock);
+	found->ncols = catalog_check_columns(heap);
+	found->owner = heap->rd_rel->relowner;
+	table_close(heap, NoLock);
+	catalog_check_index(found->pkey, found->keys, 2, COL_SCOPE, COL_KEY,
+						false);
+	catalog_check_index(found->sweep_idx, found->keys, 1, COL_SWEEP_AT, 0,
+						false);
+	if (found->ncols >= COL_OWNER_SESSION)
+	{
+		found->session_idx = catalog_lock_index("keys_owner_session_idx",
+												suffix);
+		catalog_check_index(found->session_idx, found->keys, 1,
+							COL_OWNER_SESSION, 0, true);
+	}
 }
 
 /*
@@ -340,29 +370,17 @@ catalog_base(void)
 	for (;;)
 	{
 		uint64		inval_count = SharedInvalidMessageCounter;
-		Relation	heap;
 
-		catalog_find(&found);
+		memset(&found, 0, sizeof(found));
+		found.keys = idem_catalog_lock_relation("keys");
+		found.token_seq = idem_catalog_lock_relation("token_seq");
+		if (!OidIsValid(found.keys) || !OidIsValid(found.token_seq))
+			catalog_refuse_not_installed();
 		if (inval_count != SharedInvalidMessageCounter)
 			continue;			/* a name may have moved: look again */
 		idem_catalog_check_member(found.keys);
 		idem_catalog_check_member(found.token_seq);
-		heap = table_open(found.keys, AccessShareLock);
-		found.ncols = catalog_check_columns(heap);
-		found.owner = heap->rd_rel->relowner;
-		table_close(heap, NoLock);
-		catalog_check_index(found.pkey, found.keys, 2, COL_SCOPE, COL_KEY,
-							false);
-		catalog_check_index(found.sweep_idx, found.keys, 1, COL_SWEEP_AT, 0,
-							false);
-		if (found.ncols >= COL_OWNER_SESSION)
-		{
-			found.session_idx = idem_catalog_lock_relation("keys_owner_session_idx");
-			if (!OidIsValid(found.session_idx))
-				idem_catalog_refuse_missing("index \"keys_owner_session_idx\"");
-			catalog_check_index(found.session_idx, found.keys, 1,
-								COL_OWNER_SESSION, 0, true);
-		}
+		catalog_check_store(&found, "");
 		catalog_check_distribution(&found);
 		if (inval_count == SharedInvalidMessageCounter)
 			break;
@@ -453,40 +471,18 @@ static void
 catalog_check_shard(ShardEntry *e)
 {
 	IdemCatalog found;
-	int64		id = e->shard.shardid;
-	char	   *name;
-	Relation	heap;
+	char	   *suffix = psprintf("_" INT64_FORMAT, e->shard.shardid);
+	char	   *name = psprintf("keys%s", suffix);
 
 	memset(&found, 0, sizeof(found));
-	found.shardid = id;
+	found.shardid = e->shard.shardid;
 	found.token_seq = cached.token_seq;
-	name = psprintf("keys_" INT64_FORMAT, id);
 	found.keys = idem_catalog_lock_relation(name);
 	if (!OidIsValid(found.keys))
 		idem_catalog_refuse_missing(psprintf("shard \"%s\"", name));
-	name = psprintf("keys_pkey_" INT64_FORMAT, id);
-	found.pkey = idem_catalog_lock_relation(name);
-	if (!OidIsValid(found.pkey))
-		idem_catalog_refuse_missing(psprintf("index \"%s\"", name));
-	name = psprintf("keys_sweep_at_idx_" INT64_FORMAT, id);
-	found.sweep_idx = idem_catalog_lock_relation(name);
-	if (!OidIsValid(found.sweep_idx))
-		idem_catalog_refuse_missing(psprintf("index \"%s\"", name));
-	heap = table_open(found.keys, AccessShareLock);
-	found.ncols = catalog_check_columns(heap);
-	found.owner = heap->rd_rel->relowner;
-	table_close(heap, NoLock);
-	catalog_check_index(found.pkey, found.keys, 2, COL_SCOPE, COL_KEY, false);
-	catalog_check_index(found.sweep_idx, found.keys, 1, COL_SWEEP_AT, 0, false);
-	if (found.ncols >= COL_OWNER_SESSION)
-	{
-		name = psprintf("keys_owner_session_idx_" INT64_FORMAT, id);
-		found.session_idx = idem_catalog_lock_relation(name);
-		if (!OidIsValid(found.session_idx))
-			idem_catalog_refuse_missing(psprintf("index \"%s\"", name));
-		catalog_check_index(found.session_idx, found.keys, 1,
-							COL_OWNER_SESSION, 0, true);
-	}
+	catalog_check_store(&found, suffix);
+	pfree(name);
+	pfree(suffix);
 	e->catalog = found;
 	e->checked = true;
 }

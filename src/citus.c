@@ -19,6 +19,7 @@
  */
 #include "postgres.h"
 
+#include "access/htup_details.h"
 #include "catalog/pg_collation.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
@@ -72,24 +73,51 @@ idem_citus_shmem_startup(void)
 }
 
 /*
- * Run a read-only query on Citus's metadata with one oid parameter, under
- * the latest snapshot, as PostgreSQL reads its own catalogs: the
- * statement's snapshot can predate a shard move that committed while we
- * waited for the shard's lock, and would still show the shard here.
+ * The rows of a read-only query on Citus's metadata with one oid
+ * parameter, copied into the caller's memory context with their
+ * descriptor.  It runs under the latest snapshot, as PostgreSQL reads its
+ * own catalogs: the statement's snapshot can predate a shard move that
+ * committed while we waited for the shard's lock, and would still show
+ * the shard here.  Returns how many rows.
  */
-static void
-citus_query(const char *sql, Oid relid)
+static int
+citus_query(const char *sql, Oid relid, HeapTuple **rows, TupleDesc *desc)
 {
+	MemoryContext cxt = CurrentMemoryContext;
+	MemoryContext old;
 	Oid			argtypes[1] = {OIDOID};
 	Datum		values[1] = {ObjectIdGetDatum(relid)};
 	int			rc;
+	int			n;
 
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
 	PushActiveSnapshot(GetLatestSnapshot());
 	rc = SPI_execute_with_args(sql, 1, argtypes, values, NULL, true, 0);
 	PopActiveSnapshot();
 	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "idempotency: reading Citus's metadata failed: %s",
 			 SPI_result_code_string(rc));
+	n = (int) SPI_processed;
+	old = MemoryContextSwitchTo(cxt);
+	*desc = CreateTupleDescCopy(SPI_tuptable->tupdesc);
+	*rows = palloc(sizeof(HeapTuple) * Max(n, 1));
+	for (int i = 0; i < n; i++)
+		(*rows)[i] = heap_copytuple(SPI_tuptable->vals[i]);
+	MemoryContextSwitchTo(old);
+	if (SPI_finish() != SPI_OK_FINISH)
+		elog(ERROR, "SPI_finish failed");
+	return n;
+}
+
+/* Free what citus_query returned. */
+static void
+citus_query_free(HeapTuple *rows, int n, TupleDesc desc)
+{
+	for (int i = 0; i < n; i++)
+		heap_freetuple(rows[i]);
+	pfree(rows);
+	FreeTupleDesc(desc);
 }
 
 /*
@@ -101,40 +129,31 @@ citus_query(const char *sql, Oid relid)
 bool
 idem_citus_table(Oid relid, char *method, int32 *colocationid, char **column)
 {
-	MemoryContext cxt = CurrentMemoryContext;
-	bool		found = false;
+	HeapTuple  *rows;
+	TupleDesc	desc;
+	int			n;
+	bool		isnull;
+	Datum		d;
 
 	if (!OidIsValid(get_extension_oid("citus", true)))
 		return false;
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	citus_query("SELECT p.partmethod::pg_catalog.text, p.colocationid,"
-				" CASE WHEN p.partkey IS NOT NULL THEN"
-				" pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) END"
-				" FROM pg_catalog.pg_dist_partition p"
-				" WHERE p.logicalrelid OPERATOR(pg_catalog.=) $1",
-				relid);
-	if (SPI_processed > 0)
+	n = citus_query("SELECT p.partmethod::pg_catalog.text, p.colocationid,"
+					" CASE WHEN p.partkey IS NOT NULL THEN"
+					" pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) END"
+					" FROM pg_catalog.pg_dist_partition p"
+					" WHERE p.logicalrelid OPERATOR(pg_catalog.=) $1",
+					relid, &rows, &desc);
+	if (n > 0)
 	{
-		HeapTuple	tup = SPI_tuptable->vals[0];
-		TupleDesc	desc = SPI_tuptable->tupdesc;
-		bool		isnull;
-		Datum		d;
-		MemoryContext old;
-
-		found = true;
-		d = SPI_getbinval(tup, desc, 1, &isnull);
+		d = heap_getattr(rows[0], 1, desc, &isnull);
 		*method = isnull ? '?' : *TextDatumGetCString(d);
-		d = SPI_getbinval(tup, desc, 2, &isnull);
+		d = heap_getattr(rows[0], 2, desc, &isnull);
 		*colocationid = isnull ? 0 : DatumGetInt32(d);
-		d = SPI_getbinval(tup, desc, 3, &isnull);
-		old = MemoryContextSwitchTo(cxt);
+		d = heap_getattr(rows[0], 3, desc, &isnull);
 		*column = isnull ? NULL : TextDatumGetCString(d);
-		MemoryContextSwitchTo(old);
 	}
-	if (SPI_finish() != SPI_OK_FINISH)
-		elog(ERROR, "SPI_finish failed");
-	return found;
+	citus_query_free(rows, n, desc);
+	return n > 0;
 }
 
 /*
@@ -146,39 +165,35 @@ idem_citus_table(Oid relid, char *method, int32 *colocationid, char **column)
 int
 idem_citus_shards(Oid relid, IdemShard **shards, MemoryContext cxt)
 {
+	HeapTuple  *rows;
+	TupleDesc	desc;
 	int			n;
 
-	if (SPI_connect() != SPI_OK_CONNECT)
-		elog(ERROR, "SPI_connect failed");
-	citus_query("SELECT s.shardid,"
-				" COALESCE(s.shardminvalue::pg_catalog.int4, -2147483648),"
-				" COALESCE(s.shardmaxvalue::pg_catalog.int4, 2147483647),"
-				" EXISTS (SELECT FROM pg_catalog.pg_dist_placement p"
-				"   WHERE p.shardid OPERATOR(pg_catalog.=) s.shardid"
-				"   AND p.shardstate OPERATOR(pg_catalog.=) 1"
-				"   AND p.groupid OPERATOR(pg_catalog.=)"
-				"     (SELECT g.groupid FROM pg_catalog.pg_dist_local_group g))"
-				" FROM pg_catalog.pg_dist_shard s"
-				" WHERE s.logicalrelid OPERATOR(pg_catalog.=) $1"
-				" ORDER BY 2, 1",
-				relid);
-	n = (int) SPI_processed;
+	n = citus_query("SELECT s.shardid,"
+					" COALESCE(s.shardminvalue::pg_catalog.int4, -2147483648),"
+					" COALESCE(s.shardmaxvalue::pg_catalog.int4, 2147483647),"
+					" EXISTS (SELECT FROM pg_catalog.pg_dist_placement p"
+					"   WHERE p.shardid OPERATOR(pg_catalog.=) s.shardid"
+					"   AND p.shardstate OPERATOR(pg_catalog.=) 1"
+					"   AND p.groupid OPERATOR(pg_catalog.=)"
+					"     (SELECT g.groupid FROM pg_catalog.pg_dist_local_group g))"
+					" FROM pg_catalog.pg_dist_shard s"
+					" WHERE s.logicalrelid OPERATOR(pg_catalog.=) $1"
+					" ORDER BY 2, 1",
+					relid, &rows, &desc);
 	*shards = MemoryContextAllocZero(cxt, sizeof(IdemShard) * Max(n, 1));
 	for (int i = 0; i < n; i++)
 	{
-		HeapTuple	tup = SPI_tuptable->vals[i];
-		TupleDesc	desc = SPI_tuptable->tupdesc;
 		bool		isnull;
 		IdemShard  *s = &(*shards)[i];
 
-		s->shardid = DatumGetInt64(SPI_getbinval(tup, desc, 1, &isnull));
-		s->min = DatumGetInt32(SPI_getbinval(tup, desc, 2, &isnull));
-		s->max = DatumGetInt32(SPI_getbinval(tup, desc, 3, &isnull));
-		s->local = DatumGetBool(SPI_getbinval(tup, desc, 4, &isnull));
+		s->shardid = DatumGetInt64(heap_getattr(rows[i], 1, desc, &isnull));
+		s->min = DatumGetInt32(heap_getattr(rows[i], 2, desc, &isnull));
+		s->max = DatumGetInt32(heap_getattr(rows[i], 3, desc, &isnull));
+		s->local = DatumGetBool(heap_getattr(rows[i], 4, desc, &isnull));
 		s->index = i;
 	}
-	if (SPI_finish() != SPI_OK_FINISH)
-		elog(ERROR, "SPI_finish failed");
+	citus_query_free(rows, n, desc);
 	return n;
 }
 
