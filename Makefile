@@ -10,12 +10,16 @@ PGFILEDESC  = "idempotency - idempotency keys for PostgreSQL"
 
 # Every file in sql/ is a pg_regress test, every file in specs/ an
 # isolation test, every t/*.pl a TAP test: adding a test is adding a file.
-# The isolation specs decide who sweeps and when: run them against a cluster
-# with idempotency.sweep_interval = 0 (./run test starts one so).
+# The suites need the server settings in test/test.conf (the library
+# preloaded, the background sweeper off: the tests decide who sweeps and
+# when).  ./run test starts its servers with them; with
+# EXTRA_REGRESS_OPTS=--temp-instance=tmp_check, pg_regress starts one itself.
 REGRESS      = $(patsubst sql/%.sql,%,$(sort $(wildcard sql/*.sql)))
-REGRESS_OPTS = --inputdir=. --load-extension=idempotency
+REGRESS_OPTS = --inputdir=. --load-extension=idempotency \
+               --temp-config=$(srcdir)/test/test.conf
 ISOLATION    = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
-ISOLATION_OPTS = --load-extension=idempotency
+ISOLATION_OPTS = --load-extension=idempotency \
+                 --temp-config=$(srcdir)/test/test.conf
 TAP_TESTS    = 1
 
 PG_CPPFLAGS = -I$(srcdir)/src

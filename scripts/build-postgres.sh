@@ -1,32 +1,63 @@
 #!/usr/bin/env bash
-# scripts/build-postgres.sh MAJOR: build PostgreSQL MAJOR (17, 18, ...) from
-# the Debian source package of a newer suite, into a cache outside the clone,
-# for testing the extension against versions Debian 12 does not package.
+# scripts/build-postgres.sh MAJOR: a PostgreSQL MAJOR (17, 18, ...) to test
+# the extension against, for the majors Debian 12 does not package.  Prints
+# the install prefix on stdout; says where the sources came from on stderr.
 #
 #   scripts/build-postgres.sh 18          # prints the install prefix
 #
-# The archive's address comes from this machine's own apt sources (the one
-# that serves bookworm's main component); the suite that carries
-# postgresql-MAJOR is found in its Sources index (trixie first, then sid).
-# The upstream tarball (.orig.tar.bz2) is checked against the SHA-256 that
-# index gives.  A finished build is kept under
-# ${IDEM_PG_CACHE:-/var/cache/idempotency-pg}/MAJOR and reused (a fresh
-# clone finds it there); delete that directory to build again.  Run as root
-# (apt-get for bison, flex and the libraries).  About 8 minutes on 2 cores.
+# Where PostgreSQL comes from, first match wins:
+#   1. an installed server package (PGDG or Debian): postgresql-MAJOR with
+#      postgresql-server-dev-MAJOR, i.e. /usr/lib/postgresql/MAJOR/bin/pg_config
+#      and pg_ctl; a user's machine usually has these;
+#   2. a build from the upstream tarball pinned in scripts/postgres-sources
+#      (file name and SHA-256), taken from
+#      ${IDEM_PG_VENDOR:-<clone>/../shared/vendor} when it is there, else from
+#      the pool of the Debian archive this machine's apt sources name, by
+#      that pinned file name.  The tarball is checked with sha256sum -c
+#      against the pinned checksum and refused on a mismatch.  No package
+#      index is read: the run never depends on what the archive calls newest.
+# A finished build is kept under ${IDEM_PG_CACHE:-/var/cache/idempotency-pg}/MAJOR
+# with a .built marker naming the version and checksum it was built from;
+# a pin that changes rebuilds it.  Run as root (apt-get for bison, flex and
+# the libraries).  About 8 minutes on 2 cores.
+#
+# IDEM_PG_SOURCE_ONLY=1 stops after the tarball is found and verified (no
+# build; the cache is not touched): the pipeline tests use it.
+#
+# Exit status: 0 found or built; 1 no source could be had or the build
+# failed, with a one-line reason on stderr ("build-postgres: ..."); 2 usage.
 set -euo pipefail
 
 major=${1:?usage: scripts/build-postgres.sh MAJOR}
 [[ $major =~ ^[0-9]+$ ]] || { echo "build-postgres: MAJOR must be a number, got '$major'" >&2; exit 2; }
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${IDEM_PG_CACHE:-/var/cache/idempotency-pg}
+vendor=${IDEM_PG_VENDOR:-$(cd "$root/.." && pwd)/shared/vendor}
+pins=${IDEM_PG_PINS:-$root/scripts/postgres-sources}
 prefix=$cache/$major
-suites=${IDEM_PG_SUITES:-"trixie sid"}
 
-if [[ -x $prefix/bin/pg_config && -f $prefix/.built ]]; then
-	echo "$prefix"
+say() { echo "== build-postgres $major: $*" >&2; }
+die() { echo "build-postgres: $*" >&2; exit 1; }
+
+# 1. An installed server package.
+pkg=/usr/lib/postgresql/$major
+if [[ -z ${IDEM_PG_SOURCE_ONLY:-} && -x $pkg/bin/pg_config && -x $pkg/bin/pg_ctl ]]; then
+	say "PostgreSQL $("$pkg/bin/pg_config" --version | awk '{print $2}') from the installed package ($pkg)"
+	echo "$pkg"
 	exit 0
 fi
 
-say() { echo "== build-postgres $major: $*" >&2; }
+# 2. The pinned tarball.
+read -r _ version file sha < <(awk -v m="$major" '$1 == m { print; exit }' "$pins") ||
+	die "PostgreSQL $major is not pinned in ${pins#"$root"/} (no line for it)"
+stamp="$version $file sha256:$sha"
+
+if [[ -z ${IDEM_PG_SOURCE_ONLY:-} && -x $prefix/bin/pg_config && -f $prefix/.built &&
+	$(cat "$prefix/.built") == "$stamp" ]]; then
+	say "PostgreSQL $stamp (cached build in $prefix)"
+	echo "$prefix"
+	exit 0
+fi
 
 # The URI of the Debian archive this machine uses for bookworm's main
 # component, from deb822 .sources files or one-line sources.list entries.
@@ -48,13 +79,42 @@ archive_uri() {
 	done | head -n1
 }
 
-uri=$(archive_uri | head -n1) || true
-uri=${uri%/}
-[[ -n $uri ]] || { echo "build-postgres: no apt source for bookworm main found in /etc/apt" >&2; exit 1; }
+mkdir -p "$cache/src"
+work=$(mktemp -d "$cache/src/build-$major.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+# Verify <tarball> against the pinned checksum; the caller refuses a mismatch.
+verify() {
+	(cd "$(dirname "$1")" && echo "$sha  $(basename "$1")" | sha256sum -c --quiet - >/dev/null 2>&1)
+}
+
+tarball=""
+if [[ -f $vendor/$file ]]; then
+	verify "$vendor/$file" ||
+		die "$vendor/$file does not match the SHA-256 pinned in scripts/postgres-sources ($sha): refused"
+	tarball=$vendor/$file
+	origin="vendored $tarball"
+else
+	uri=$(archive_uri | head -n1) || true
+	uri=${IDEM_PG_ARCHIVE:-${uri%/}}
+	[[ -n $uri ]] || die "no $file in $vendor and no apt source for bookworm main to fetch it from"
+	say "fetching $file from the archive's pool (not in $vendor)"
+	curl -fsS --retry 2 "$uri/pool/main/p/postgresql-$major/$file" -o "$work/$file" 2>"$work/curl.log" ||
+		die "no $file in $vendor, and the archive did not serve it: $(tail -n1 "$work/curl.log")"
+	verify "$work/$file" ||
+		die "$file from the archive does not match the SHA-256 pinned in scripts/postgres-sources ($sha): refused"
+	tarball=$work/$file
+	origin="archive pool $uri"
+fi
+say "PostgreSQL $stamp, from $origin (checksum verified)"
+if [[ -n ${IDEM_PG_SOURCE_ONLY:-} ]]; then
+	echo "$tarball"
+	exit 0
+fi
 
 need=()
 for p in bison flex gcc make perl libreadline-dev zlib1g-dev libssl-dev libicu-dev pkg-config \
-	libipc-run-perl curl xz-utils bzip2; do
+	libipc-run-perl curl bzip2; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
 done
 if ((${#need[@]})); then
@@ -63,34 +123,9 @@ if ((${#need[@]})); then
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-mkdir -p "$cache/src"
-work=$(mktemp -d "$cache/src/build-$major.XXXXXX")
-trap 'rm -rf "$work"' EXIT
-
-# Find the suite, the directory and the tarball with its SHA-256.
-found=""
-for suite in $suites; do
-	say "looking for postgresql-$major in $uri $suite"
-	curl -fsS "$uri/dists/$suite/main/source/Sources.xz" -o "$work/Sources.xz" || continue
-	found=$(xz -dc "$work/Sources.xz" | awk -v pkg="postgresql-$major" '
-		/^Package:/ { inpkg = ($2 == pkg) }
-		inpkg && /^Directory:/ { dir = $2 }
-		inpkg && /^Checksums-Sha256:/ { sums = 1; next }
-		inpkg && sums && /^ / { if ($3 ~ /\.orig\.tar\.(bz2|gz|xz)$/) { orig = $3; sha = $1 } next }
-		{ sums = 0 }
-		/^$/ { if (inpkg && orig != "") { print dir, orig, sha; exit } inpkg = 0; orig = "" }
-	') || true  # awk stops reading at the match: xz then dies of SIGPIPE
-	[[ -n $found ]] && break
-done
-[[ -n $found ]] || { echo "build-postgres: postgresql-$major is in none of: $suites" >&2; exit 1; }
-read -r dir orig sha <<<"$found"
-
-say "fetching $orig from $suite"
-curl -fsS "$uri/$dir/$orig" -o "$work/$orig"
-echo "$sha  $work/$orig" | sha256sum -c --quiet - || { echo "build-postgres: SHA-256 mismatch for $orig" >&2; exit 1; }
-
-tar -C "$work" -xf "$work/$orig"
+tar -C "$work" -xf "$tarball"
 srcdir=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'postgresql-*' | head -n1)
+[[ -n $srcdir ]] || die "$file holds no postgresql-* directory"
 say "configure and build into $prefix"
 rm -rf "$prefix"
 (
@@ -104,6 +139,13 @@ rm -rf "$prefix"
 	make -s -C src/test/isolation install >/dev/null
 	make -s -C src/test/perl install >/dev/null
 	make -s -C contrib/amcheck install >/dev/null
-) || exit 1
-touch "$prefix/.built"
+	make -s -C contrib/pageinspect install >/dev/null
+	# pgindent's formatter, for ./run indent
+	if [[ -d src/tools/pg_bsd_indent ]]; then
+		make -s -C src/tools/pg_bsd_indent >/dev/null && cp src/tools/pg_bsd_indent/pg_bsd_indent "$prefix/bin/"
+		mkdir -p "$prefix/share/pgindent" && cp src/tools/pgindent/pgindent src/tools/pgindent/typedefs.list "$prefix/share/pgindent/"
+	fi
+) || die "the build of PostgreSQL $version failed (the lines above say why)"
+echo "$stamp" >"$prefix/.built"
+say "built PostgreSQL $stamp into $prefix"
 echo "$prefix"

@@ -198,8 +198,7 @@ package_deb_installcheck() {
 	((n)) || { echo "-- the Makefile lists no pg_regress test"; return 1; }
 	echo "== PostgreSQL $v: $n pg_regress tests against the installed package (port $port)"
 	# The background sweeper is off: these tests decide who sweeps and when.
-	cluster_start "$cluster" "$port" "shared_preload_libraries = 'idempotency'" \
-		"idempotency.sweep_interval = 0" || return 1
+	cluster_start "$cluster" "$port" "${SUITE_CONF[@]}" || return 1
 	suite_installcheck "$check" "$cluster" "$check/.regress.log" ISOLATION= NO_INSTALL=1 || rc=$?
 	cluster_stop "$cluster"
 	if [[ -s $check/regression.diffs ]]; then
@@ -362,8 +361,7 @@ package_pgxn_test() {
 	# TAP tests left out since they start servers of their own from a build.
 	chown -R "$PG_OS_USER": "$unpacked"
 	echo "== PGXN: installcheck (port $port)"
-	if ! cluster_start "$cluster" "$port" "shared_preload_libraries = 'idempotency'" \
-		"idempotency.sweep_interval = 0"; then
+	if ! cluster_start "$cluster" "$port" "${SUITE_CONF[@]}"; then
 		test_fail pgxn/installcheck "cluster did not start"
 		return 0
 	fi

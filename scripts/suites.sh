@@ -14,6 +14,8 @@
 #   suite_isolation <src> <cluster> <spec...>   pg_isolation_regress (ditto)
 #   suite_pgtap <src> <cluster> <file...>       pg_prove, a fresh database each
 #   suite_tap <src> <file...>                   prove, as the postgres user
+#   suite_pipeline <src> <file...>              test/pipeline/*.sh: the test
+#                                               pipeline's own scripts, as root
 #   suite_examples <src> <cluster> <dir...>     clients/*/ and examples/*/:
 #                                               test.sh or npm test
 #   suite_example_dirs <src>                    print the client libraries and
@@ -22,17 +24,48 @@
 #                                               prefixed with $TEST_PREFIX)
 #   test_summary                                failed names, then the closing
 #                                               line "N passed, N failed"
+#   time_record <name> <start>                  note how long <name> took since
+#                                               <start> (a $SECONDS value)
+#   time_table                                  the recorded times, longest first
+#   suite_conf_load <src>                       set SUITE_CONF to the lines of
+#                                               <src>/test/test.conf: the
+#                                               settings of every test server
 #
-# Settings (environment, seconds): SUITE_TIMEOUT (each make installcheck,
-# default 1200), FILE_TIMEOUT (each pgTAP/TAP file or example, default 900).
+# Settings (environment): SUITE_TIMEOUT (seconds, each make installcheck,
+# default 1200), FILE_TIMEOUT (seconds, each pgTAP/TAP file or example,
+# default 900), SUITE_JOBS (TAP files run at a time, default 3).
 
 : "${SUITE_TIMEOUT:=1200}"
 : "${FILE_TIMEOUT:=900}"
+: "${SUITE_JOBS:=3}"
 
 TEST_PASSED=()
 TEST_FAILED=()
 TEST_PREFIX=""  # e.g. "pg17/": which PostgreSQL the tests being run are for
 SUITE_RUNNABLE=()
+TIME_ROWS=()  # "seconds<TAB>name" per suite, for time_table
+SUITE_CONF=() # postgresql.conf lines of every test server (suite_conf_load)
+
+# Set SUITE_CONF from <src>/test/test.conf, leaving out comments and blanks.
+suite_conf_load() {
+	mapfile -t SUITE_CONF < <(grep -Ev '^[[:space:]]*(#|$)' "$1/test/test.conf")
+	((${#SUITE_CONF[@]})) || { echo "suites.sh: no settings in $1/test/test.conf" >&2; return 1; }
+}
+
+# Record that <name> (prefixed with $TEST_PREFIX) ran from <start> until now.
+time_record() {
+	TIME_ROWS+=("$((SECONDS - $2))	$TEST_PREFIX$1")
+}
+
+# Print the recorded times, longest first, and their sum: where a run's
+# time goes.
+time_table() {
+	((${#TIME_ROWS[@]})) || return 0
+	echo
+	echo "== time per suite (seconds, longest first)"
+	printf '%s\n' "${TIME_ROWS[@]}" | sort -t $'\t' -k1,1nr |
+		awk -F '\t' '{ printf "%6d  %s\n", $1, $2; sum += $1 } END { printf "%6d  (sum of the rows)\n", sum }'
+}
 
 # Record test <name> as passed.
 test_pass() {
@@ -142,6 +175,7 @@ suite_regress() {
 	shift 2
 	(($#)) || return 0
 	echo
+	local started=$SECONDS
 	echo "== pg_regress: $# tests (make installcheck ISOLATION=)"
 	rm -f "$src/regression.diffs"
 	suite_with_expected "$src" regress "$@"
@@ -158,6 +192,7 @@ suite_regress() {
 	if ((rc != 0)); then
 		echo "-- make installcheck (pg_regress) exited with status $rc"
 	fi
+	time_record regress "$started"
 }
 
 # Isolation: every specs/*.spec of the Makefile's ISOLATION list.
@@ -166,6 +201,7 @@ suite_isolation() {
 	shift 2
 	(($#)) || return 0
 	echo
+	local started=$SECONDS
 	echo "== isolation: $# specs (make installcheck REGRESS=)"
 	rm -f "$src/output_iso/regression.diffs"
 	suite_with_expected "$src" isolation "$@"
@@ -182,6 +218,7 @@ suite_isolation() {
 	if ((rc != 0)); then
 		echo "-- make installcheck (isolation) exited with status $rc"
 	fi
+	time_record isolation "$started"
 }
 
 # pgTAP: each test/*.sql through pg_prove, in a fresh database with the extension.
@@ -190,6 +227,7 @@ suite_pgtap() {
 	shift 2
 	(($#)) || return 0
 	echo
+	local started=$SECONDS
 	echo "== pgTAP: $# files (pg_prove, one fresh database each)"
 	for file in "$@"; do
 		n=$((n + 1))
@@ -210,24 +248,61 @@ suite_pgtap() {
 			test_fail "pgtap/$file"
 		fi
 	done
+	time_record pgtap "$started"
 }
 
-# TAP: each t/*.pl through prove, as postgres, with PostgreSQL::Test::* set up.
+# TAP: each t/*.pl through prove, as postgres, with PostgreSQL::Test::* set
+# up, SUITE_JOBS files at a time.  Each file starts servers of its own (its
+# own data and socket directories), and most of a file's time is spent
+# waiting for a lease, a sweep or a restart, so files overlap well.  A
+# file's output is printed whole when it ends, so outputs never interleave.
 suite_tap() {
-	local src=$1 file base pgxs log
+	local src=$1 file pgxs i n=$#
 	shift
-	(($#)) || return 0
+	((n)) || return 0
 	pgxs="$("$PG_CONFIG" --pkglibdir)/pgxs"
 	echo
-	echo "== TAP: $# files (prove, as $PG_OS_USER)"
-	rm -rf "$src/tmp_check" "$src/log"
-	local -a env
+	echo "== TAP: $n files (prove, as $PG_OS_USER, $SUITE_JOBS at a time)"
+	rm -rf "$src/tmp_check" "$src/log" "$src"/.tap_*
+	local -a env files=("$@") done=()
 	mapfile -t env < <(suite_env)
-	for file in "$@"; do
-		if (cd "$src" && suite_run "$src/.tap.log" "$FILE_TIMEOUT" --as-postgres env "${env[@]}" \
-			PERL5LIB="$pgxs/src/test/perl${PERL5LIB:+:$PERL5LIB}" \
-			TESTDIR="$src" PG_REGRESS="$pgxs/src/test/regress/pg_regress" \
-			prove --failures "$file"); then
+	for ((i = 0; i < n; i++)); do
+		while (($(jobs -pr | wc -l) >= SUITE_JOBS)); do
+			wait -n || true
+			suite_tap_report "$src" files done
+		done
+		file=${files[i]}
+		(
+			started=$SECONDS
+			rc=0
+			cd "$src" && as_postgres timeout -k 30 "$FILE_TIMEOUT" env "${env[@]}" \
+				PERL5LIB="$pgxs/src/test/perl${PERL5LIB:+:$PERL5LIB}" \
+				TESTDIR="$src" PG_REGRESS="$pgxs/src/test/regress/pg_regress" \
+				prove --failures "$file" >"$src/.tap_$i.log" 2>&1 || rc=$?
+			if ((rc == 124 || rc == 137)); then
+				echo "-- timed out after ${FILE_TIMEOUT}s: prove $file" >>"$src/.tap_$i.log"
+			fi
+			echo "$rc $((SECONDS - started))" >"$src/.tap_$i.rc"
+		) &
+	done
+	wait || true
+	suite_tap_report "$src" files done
+}
+
+# Print and record every TAP file of <files> (an array name) that has ended
+# and is not yet in <done> (an array name of indexes already reported).
+suite_tap_report() {
+	local src=$1 i rc secs file base log
+	local -n _files=$2 _done=$3
+	for i in "${!_files[@]}"; do
+		[[ -f $src/.tap_$i.rc && " ${_done[*]} " != *" $i "* ]] || continue
+		_done+=("$i")
+		file=${_files[i]}
+		read -r rc secs <"$src/.tap_$i.rc"
+		echo
+		echo "== prove $file"
+		cat "$src/.tap_$i.log"
+		if ((rc == 0)); then
 			test_pass "tap/$file"
 		else
 			test_fail "tap/$file"
@@ -240,6 +315,26 @@ suite_tap() {
 				fi
 			done
 		fi
+		TIME_ROWS+=("$secs	${TEST_PREFIX}tap/$file")
+	done
+}
+
+# The pipeline's own tests: each test/pipeline/*.sh, run as root from
+# <src> (they check the scripts that set up the test servers, and start none).
+suite_pipeline() {
+	local src=$1 file started
+	shift
+	(($#)) || return 0
+	echo
+	echo "== pipeline: $# scripts"
+	for file in "$@"; do
+		started=$SECONDS
+		if (cd "$src" && suite_run "$src/.pipeline.log" "$FILE_TIMEOUT" "./$file"); then
+			test_pass "$file"
+		else
+			test_fail "$file"
+		fi
+		time_record "$file" "$started"
 	done
 }
 
@@ -269,6 +364,7 @@ suite_examples() {
 	local -a env
 	mapfile -t env < <(suite_env)
 	for ex in "$@"; do
+		local started=$SECONDS
 		name=${ex##*/}
 		db="example_${name//[^A-Za-z0-9_]/_}"
 		echo
@@ -293,5 +389,6 @@ suite_examples() {
 		else
 			test_fail "$ex"
 		fi
+		time_record "$ex" "$started"
 	done
 }
