@@ -257,8 +257,9 @@ suite_pgtap() {
 # waiting for a lease, a sweep or a restart, so files overlap well.  A
 # file's output is printed whole when it ends, so outputs never interleave.
 suite_tap() {
-	local src=$1 file pgxs i n=$#
+	local src=$1 file pgxs i n
 	shift
+	n=$#
 	((n)) || return 0
 	pgxs="$("$PG_CONFIG" --pkglibdir)/pgxs"
 	echo
