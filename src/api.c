@@ -336,16 +336,6 @@ arg_body(FunctionCallInfo fcinfo, int argno, const char *name)
 	return PG_GETARG_DATUM(argno);
 }
 
-/* Name a key in messages: "key" or "key" in scope "scope". */
-static char *
-key_display(text *scope, text *key)
-{
-	if (VARSIZE_ANY_EXHDR(scope) == 0)
-		return psprintf("\"%s\"", text_to_cstring(key));
-	return psprintf("\"%s\" in scope \"%s\"", text_to_cstring(key),
-					text_to_cstring(scope));
-}
-
 /* Whole seconds until "until", at least 1 (the Retry-After value). */
 static int32
 seconds_until(TimestampTz until, TimestampTz now)
@@ -445,11 +435,16 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 	}
 	/*
 	 * A live lease, and for a session-bound claim a live session too: once
-	 * the owner's session ended the key is reclaimable at once.
+	 * the owner's session ended the key is reclaimable at once.  A claim
+	 * that our own open transaction (or an earlier element of this batch)
+	 * wrote is held by us whatever its lease: taking it over would hand
+	 * out a second token for an attempt that is still running here.
 	 */
-	if (row->has_token && row->lease_until > now &&
-		(!row->has_owner_session || row->mine ||
-		 idem_session_alive(row->owner_session)))
+	if (row->has_token &&
+		(row->mine ||
+		 (row->lease_until > now &&
+		  (!row->has_owner_session ||
+		   idem_session_alive(row->owner_session)))))
 	{
 		res->outcome = OUTCOME_IN_PROGRESS;
 		res->held_by_me = row->mine;
@@ -1023,7 +1018,7 @@ token_call_begin(TokenCall *call)
 		ereport(ERROR,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 				 errmsg("could not %s idempotency key %s",
-						call_names[call->kind], key_display(scope, key)),
+						call_names[call->kind], idem_key_display(scope, key)),
 				 row->locked ?
 				 errdetail("Another transaction holds a row lock on this key.") :
 				 !row->busy_new ?
@@ -1038,7 +1033,7 @@ token_call_begin(TokenCall *call)
 		ereport(ERROR,
 				(errcode(ERRCODE_NO_DATA_FOUND),
 				 errmsg("idempotency key %s does not exist",
-						key_display(scope, key)),
+						idem_key_display(scope, key)),
 				 errdetail("It was never claimed, was released, or its retention has passed.")));
 	if (row->status != IDEM_PENDING)
 	{
@@ -1048,7 +1043,7 @@ token_call_begin(TokenCall *call)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idempotency key %s is already finished",
-						key_display(scope, key)),
+						idem_key_display(scope, key)),
 				 call->kind == CALL_FINISH ?
 				 errdetail("Another attempt stored its result.") :
 				 errdetail("Its status is \"%s\".", idem_status_names[row->status])));
@@ -1057,7 +1052,7 @@ token_call_begin(TokenCall *call)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_IN_USE),
 				 errmsg("token " INT64_FORMAT " is not the current token of idempotency key %s",
-						call->token, key_display(scope, key)),
+						call->token, idem_key_display(scope, key)),
 				 row->has_token ?
 				 errdetail("Attempt %d holds the key now.", row->attempt) :
 				 errdetail("The sweeper reset the key after its lease ended."),
@@ -1145,7 +1140,7 @@ finish_many_context(void *arg)
 	const FinishManyElement *elem = (const FinishManyElement *) arg;
 
 	errcontext("idem_finish_many element %d, key %s",
-			   elem->ord, key_display(elem->call.scope, elem->call.key));
+			   elem->ord, idem_key_display(elem->call.scope, elem->call.key));
 }
 
 /*

@@ -148,6 +148,7 @@ typedef enum IdemProbeMode
 	IDEM_PROBE_SNAPSHOT			/* the active MVCC snapshot (lookup) */
 } IdemProbeMode;
 
+extern char *idem_key_display(text *scope, text *key);
 extern void idem_row_probe(text *scope, text *key, IdemProbeMode mode,
 						   bool want_body, IdemRow *row);
 extern void idem_row_check_snapshot(const IdemRow *row);

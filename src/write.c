@@ -353,18 +353,20 @@ write_execute_skipping(WriteKind kind, const WriteRow *row)
 	{
 		ErrorData  *edata;
 
+		/*
+		 * The subtransaction ends here whatever the error: one left open
+		 * would outlive the caller's exception handler or ROLLBACK.  The
+		 * error is copied out of it first and raised again after.
+		 */
 		MemoryContextSwitchTo(cxt);
 		edata = CopyErrorData();
-		if (edata->sqlerrcode != ERRCODE_T_R_SERIALIZATION_FAILURE)
-		{
-			FreeErrorData(edata);
-			PG_RE_THROW();
-		}
 		FlushErrorState();
-		FreeErrorData(edata);
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(cxt);
 		CurrentResourceOwner = owner;
+		if (edata->sqlerrcode != ERRCODE_T_R_SERIALIZATION_FAILURE)
+			ReThrowError(edata);
+		FreeErrorData(edata);
 	}
 	PG_END_TRY();
 	return written;
