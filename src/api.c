@@ -336,6 +336,19 @@ arg_body(FunctionCallInfo fcinfo, int argno, const char *name)
 	return PG_GETARG_DATUM(argno);
 }
 
+/*
+ * Refuse a call that may write, before it reads anything: on a hot
+ * standby, and in a read-only transaction (SET TRANSACTION READ ONLY,
+ * default_transaction_read_only), whichever write path it would take.
+ * Raises 25006, as PostgreSQL's own commands do.
+ */
+static void
+check_writable(const char *function)
+{
+	PreventCommandDuringRecovery(function);
+	PreventCommandIfReadOnly(function);
+}
+
 /* Whole seconds until "until", at least 1 (the Retry-After value). */
 static int32
 seconds_until(TimestampTz until, TimestampTz now)
@@ -751,7 +764,7 @@ idem_claim(PG_FUNCTION_ARGS)
 		arg_not_null(fcinfo, 6, "session_bound");
 		args.session_bound = PG_GETARG_BOOL(6);
 	}
-	PreventCommandDuringRecovery("idem_claim()");
+	check_writable("idem_claim()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);
 	if (args.session_bound)
@@ -877,7 +890,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	claim_common_args(fcinfo, &args);
 	arg_not_null(fcinfo, 5, "session_bound");
 	args.session_bound = PG_GETARG_BOOL(5);
-	PreventCommandDuringRecovery("idem_claim_many()");
+	check_writable("idem_claim_many()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);
 	if (args.session_bound)
@@ -997,7 +1010,7 @@ token_call_begin(TokenCall *call)
 	text	   *key = call->key;
 	text	   *scope = call->scope;
 
-	PreventCommandDuringRecovery(call_functions[call->kind]);
+	check_writable(call_functions[call->kind]);
 	idem_tenant_check(scope);
 	idem_catalog_select_scope(scope);
 	call->hash = idem_key_hash(scope, key);
@@ -1139,6 +1152,9 @@ finish_many_context(void *arg)
 {
 	const FinishManyElement *elem = (const FinishManyElement *) arg;
 
+	/* Between elements (an interrupt, say) there is no key to name. */
+	if (elem->call.key == NULL)
+		return;
 	errcontext("idem_finish_many element %d, key %s",
 			   elem->ord, idem_key_display(elem->call.scope, elem->call.key));
 }
@@ -1168,6 +1184,8 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	ErrorContextCallback errcb;
 	FinishManyElement elem;
 	int64		finished = 0;
+	MemoryContext outer;
+	MemoryContext elem_cxt;
 
 	arg_array(fcinfo, 0, "keys", true, TEXTOID, &keys);
 	arg_array(fcinfo, 1, "tokens", true, INT8OID, &tokens);
@@ -1195,8 +1213,14 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	status = arg_status(fcinfo, 5);
 	retention = arg_interval(fcinfo, 6);
 	check_positive(retention, "retention");
+	check_writable("idem_finish_many()");
 
 	result_init(fcinfo);
+	outer = CurrentMemoryContext;
+	elem_cxt = AllocSetContextCreate(outer, "idem_finish_many element",
+									 ALLOCSET_DEFAULT_SIZES);
+	/* The callback reads elem from here on: it is valid at every point. */
+	memset(&elem, 0, sizeof(FinishManyElement));
 	errcb.callback = finish_many_context;
 	errcb.arg = &elem;
 	errcb.previous = error_context_stack;
@@ -1208,8 +1232,13 @@ idem_finish_many(PG_FUNCTION_ARGS)
 		bool		has_code = codes.given && !codes.nulls[i];
 		bool		wrote;
 
-		CHECK_FOR_INTERRUPTS();
 		memset(&elem, 0, sizeof(FinishManyElement));
+		/* Between two elements: a cancel is taken here. */
+		IDEM_PAUSE("finish-many-element");
+		CHECK_FOR_INTERRUPTS();
+		/* What one element allocates is gone before the next. */
+		MemoryContextReset(elem_cxt);
+		MemoryContextSwitchTo(elem_cxt);
 		elem.ord = i + 1;
 		elem.call.kind = CALL_FINISH;
 		elem.call.key = (text *) DatumGetPointer(keys.elems[i]);
@@ -1224,10 +1253,12 @@ idem_finish_many(PG_FUNCTION_ARGS)
 					   bodies.elems[i] : (Datum) 0,
 					   retention, &wrote));
 		finished += wrote;
+		MemoryContextSwitchTo(outer);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
 							 nulls);
 	}
 	error_context_stack = errcb.previous;
+	MemoryContextDelete(elem_cxt);
 	/* counted once all are done: a refused batch finished nothing */
 	idem_stats_count(IDEM_STAT_FINISHES, finished);
 	PG_RETURN_VOID();
@@ -1361,7 +1392,7 @@ idem_sweep(PG_FUNCTION_ARGS)
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("batch_size must be positive")));
 	}
-	PreventCommandDuringRecovery("idem_sweep()");
+	check_writable("idem_sweep()");
 
 	result_init(fcinfo);
 	start = GetCurrentTimestamp();
