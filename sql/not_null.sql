@@ -67,3 +67,4 @@ SELECT count(*) AS changed FROM (
 	SELECT * FROM idempotency.keys WHERE scope = 'not-null') d;
 SELECT outcome, status, response_code FROM idempotency.idem_claim('nn2', scope => 'not-null');
 DROP TABLE nn_results, nn_before;
+DELETE FROM idempotency.keys WHERE scope = 'not-null';

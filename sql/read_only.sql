@@ -100,3 +100,4 @@ SELECT n, pg_temp.try(call) AS result FROM ro_calls WHERE n IN (1, 13) ORDER BY 
 
 DROP TABLE ro_tokens, ro_before, ro_calls;
 DROP FUNCTION ro_noop();
+DELETE FROM idempotency.keys WHERE scope = 'read-only';

@@ -50,3 +50,4 @@ SELECT outcome, status, response_code, response_body
 
 -- after the holder's transaction committed, the expired lease is taken over
 SELECT outcome, attempt FROM idempotency.idem_claim('a', scope => 'self');
+DELETE FROM idempotency.keys WHERE scope = 'self';

@@ -987,6 +987,26 @@ token_call_args(FunctionCallInfo fcinfo, TokenCallKind kind, int key_arg,
 	call->token = PG_GETARG_INT64(1);
 }
 
+IDEM_NORETURN static void token_call_raise_dead(const TokenCall *call,
+												bool has_token, int32 attempt);
+
+/*
+ * Raise 55006: the call's token is not the key's current one ("has_token"
+ * and "attempt" of the committed row).
+ */
+static void
+token_call_raise_dead(const TokenCall *call, bool has_token, int32 attempt)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_IN_USE),
+			 errmsg("token " INT64_FORMAT " is not the current token of idempotency key %s",
+					call->token, idem_key_display(call->scope, call->key)),
+			 has_token ?
+			 errdetail("Attempt %d holds the key now.", attempt) :
+			 errdetail("The sweeper reset the key after its lease ended."),
+			 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
+}
+
 /*
  * Lock the key and probe it for the call, once all its arguments are
  * checked.  Raises the documented error for every case in which the call
@@ -1027,6 +1047,20 @@ token_call_begin(TokenCall *call)
 		call->now = GetCurrentTimestamp();
 	}
 
+	/*
+	 * A token that the committed row does not hold is dead, whatever
+	 * another transaction is doing to the key right now.
+	 */
+	if (row->locked && row->found && row->status == IDEM_PENDING &&
+		row->expires_at > call->now &&
+		(!row->has_token || row->token != call->token))
+		token_call_raise_dead(call, row->has_token, row->attempt);
+	if (row->busy && row->busy_old && row->busy_old_status == IDEM_PENDING &&
+		row->busy_old_expires_at > call->now &&
+		(!row->busy_old_has_token || row->busy_old_token != call->token))
+		token_call_raise_dead(call, row->busy_old_has_token,
+							  row->busy_old_attempt);
+
 	if (row->busy || row->locked)
 		ereport(ERROR,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
@@ -1062,14 +1096,7 @@ token_call_begin(TokenCall *call)
 				 errdetail("Its status is \"%s\".", idem_status_names[row->status])));
 	}
 	if (!row->has_token || row->token != call->token)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_IN_USE),
-				 errmsg("token " INT64_FORMAT " is not the current token of idempotency key %s",
-						call->token, idem_key_display(scope, key)),
-				 row->has_token ?
-				 errdetail("Attempt %d holds the key now.", row->attempt) :
-				 errdetail("The sweeper reset the key after its lease ended."),
-				 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
+		token_call_raise_dead(call, row->has_token, row->attempt);
 	idem_row_check_snapshot(row);
 	return true;
 }

@@ -266,8 +266,34 @@ row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 		row->busy_new = true;
 		row->busy_token = isnull ? 0 : DatumGetInt64(token);
 	}
-	else if (!TransactionIdIsValid(row->busy_xid))
-		row->busy_xid = dirty->xmax;
+	else
+	{
+		/*
+		 * The committed version another transaction is changing: whose
+		 * token it holds tells a token holder whether its token was dead
+		 * already, whatever that change turns out to be.
+		 */
+		bool		isnull;
+		Datum		d;
+
+		if (!TransactionIdIsValid(row->busy_xid))
+			row->busy_xid = dirty->xmax;
+		d = slot_getattr(slot, COL_STATUS, &isnull);
+		if (!isnull &&
+			idem_status_parse(VARDATA_ANY(DatumGetTextPP(d)),
+							  VARSIZE_ANY_EXHDR(DatumGetTextPP(d)),
+							  &row->busy_old_status))
+		{
+			d = slot_getattr(slot, COL_TOKEN, &isnull);
+			row->busy_old = true;
+			row->busy_old_has_token = !isnull;
+			row->busy_old_token = isnull ? 0 : DatumGetInt64(d);
+			d = slot_getattr(slot, COL_ATTEMPT, &isnull);
+			row->busy_old_attempt = isnull ? 0 : DatumGetInt32(d);
+			d = slot_getattr(slot, COL_EXPIRES_AT, &isnull);
+			row->busy_old_expires_at = isnull ? 0 : DatumGetTimestampTz(d);
+		}
+	}
 }
 
 /* Does the row in "slot" hold (scope, key)? */
