@@ -125,21 +125,26 @@ typedef struct WriteRow
 	bool		nulls[NUM_COLS];
 } WriteRow;
 
-/* The identity to restore at the end of a write section. */
+/* The identity and settings to restore at the end of a write section. */
 typedef struct WriteSection
 {
 	Oid			saved_userid;
 	int			saved_sec_context;
+	int			guc_nestlevel;
 } WriteSection;
 
 /*
- * Act as the table's owner, with restricted security, until
- * write_section_end: the caller need not have any privilege on the table,
- * and nothing the table's owner attached can change session state.  The
- * saved identity is kept on the caller's stack, so that a section opened
- * inside another one (a trigger on the table that calls these functions)
- * restores what its own caller had.  An ERROR in between is cleaned up by
- * transaction abort.
+ * Act as the table's owner, with restricted security and search_path set
+ * to pg_catalog, pg_temp, until write_section_end: the caller need not
+ * have any privilege on the table, nothing the table's owner attached (a
+ * trigger, a rule, a CHECK constraint, an index expression) can change
+ * session state, and none of it can resolve a name in a schema the caller
+ * controls, as PostgreSQL runs index expressions in its maintenance
+ * commands.  The saved identity is kept on the caller's stack, so that a
+ * section opened inside another one (a trigger on the table that calls
+ * these functions) restores what its own caller had.  An ERROR in between
+ * is cleaned up by transaction (or subtransaction) abort, which also
+ * unwinds the GUC nest level.
  */
 static void
 write_section_begin(WriteSection *section)
@@ -150,11 +155,15 @@ write_section_begin(WriteSection *section)
 	SetUserIdAndSecContext(owner, section->saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
+	section->guc_nestlevel = NewGUCNestLevel();
+	(void) set_config_option("search_path", "pg_catalog, pg_temp", PGC_USERSET,
+							 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
 }
 
 static void
 write_section_end(WriteSection *section)
 {
+	AtEOXact_GUC(true, section->guc_nestlevel);
 	SetUserIdAndSecContext(section->saved_userid, section->saved_sec_context);
 }
 
