@@ -919,6 +919,8 @@ idem_claim_many(PG_FUNCTION_ARGS)
 			args.hash = idem_key_hash(args.scope, args.key);
 			claim_once(&args, &res);
 			claim_count(&res);
+			/* An element is claimed; the batch has not returned yet. */
+			IDEM_PAUSE("claim-many-element");
 
 			values[0] = Int32GetDatum(i + 1);
 			values[1] = keys.elems[i];

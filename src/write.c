@@ -23,6 +23,7 @@
  */
 #include "postgres.h"
 
+#include "access/relation.h"
 #include "access/xact.h"
 #include "access/xlog.h"
 #include "catalog/pg_type.h"
@@ -30,6 +31,7 @@
 #include "executor/spi.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
+#include "storage/bufmgr.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/resowner.h"
@@ -697,35 +699,56 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 
 /*
  * While a batch hands out its tokens (idem_write_defer_token_flush ..
- * idem_write_flush_tokens), whether a token's WAL still needs a flush.
+ * idem_write_flush_tokens), the WAL position its tokens need flushed.
  */
 static bool token_flush_deferred = false;
-static bool token_flush_owed = false;
+static XLogRecPtr token_flush_lsn = InvalidXLogRecPtr;
+
+/*
+ * The WAL position up to which the token sequence's values are durable:
+ * the LSN of its page.  A sequence logs its position ahead (every 32
+ * values, and at the first nextval after a checkpoint) and sets the page's
+ * LSN to that record; the values handed out until the next such record,
+ * by any backend, are covered by it.
+ */
+static XLogRecPtr
+token_sequence_lsn(Oid seqid)
+{
+	Relation	seqrel = relation_open(seqid, AccessShareLock);
+	Buffer		buf = ReadBuffer(seqrel, 0);
+	XLogRecPtr	lsn;
+
+	LockBuffer(buf, BUFFER_LOCK_SHARE);
+	lsn = PageGetLSN(BufferGetPage(buf));
+	UnlockReleaseBuffer(buf);
+	relation_close(seqrel, NoLock);
+	return lsn;
+}
 
 /*
  * The next fencing token: larger than every token issued before, even
- * across a crash.  A sequence logs its position ahead (every 32 values and
- * after each checkpoint) but leaves flushing that record to the commit, so
- * a token handed out by a transaction that never commits could be issued
- * again after a crash.  The caller may already have passed that token to
- * a downstream system, so when nextval wrote WAL, flush it before the
- * token leaves the server: now (one flush per 32 tokens at most), or, in a
- * batch, once when the batch returns its tokens.
+ * across a crash.  The sequence record that covers a value may have been
+ * written by another backend and not be flushed yet (flushing is left to
+ * commit), so a token of a transaction that never commits, or of one cut
+ * short by a crash, could be issued again after the crash.  The caller
+ * may already have passed the token to a downstream system: flush the WAL
+ * up to the sequence page's LSN before the token leaves the server, now
+ * (a no-op when it is flushed already), or, in a batch, once when the
+ * batch returns its tokens.
  */
 int64
 idem_write_next_token(void)
 {
-	XLogRecPtr	before = XactLastRecEnd;
+	Oid			seqid = idem_catalog()->token_seq;
 	int64		token;
+	XLogRecPtr	lsn;
 
-	token = nextval_internal(idem_catalog()->token_seq, false);
-	if (XactLastRecEnd != before)
-	{
-		if (token_flush_deferred)
-			token_flush_owed = true;
-		else
-			XLogFlush(XactLastRecEnd);
-	}
+	token = nextval_internal(seqid, false);
+	lsn = token_sequence_lsn(seqid);
+	if (token_flush_deferred)
+		token_flush_lsn = Max(token_flush_lsn, lsn);
+	else
+		XLogFlush(lsn);
 	return token;
 }
 
@@ -755,15 +778,15 @@ void
 idem_write_defer_token_flush(void)
 {
 	token_flush_deferred = true;
-	token_flush_owed = false;
+	token_flush_lsn = InvalidXLogRecPtr;
 }
 
 /* The batch's tokens are about to leave: flush what they need (if "flush"). */
 void
 idem_write_flush_tokens(bool flush)
 {
-	if (flush && token_flush_owed)
-		XLogFlush(XactLastRecEnd);
+	if (flush && token_flush_lsn != InvalidXLogRecPtr)
+		XLogFlush(token_flush_lsn);
 	token_flush_deferred = false;
-	token_flush_owed = false;
+	token_flush_lsn = InvalidXLogRecPtr;
 }
