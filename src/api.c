@@ -336,14 +336,17 @@ arg_body(FunctionCallInfo fcinfo, int argno, const char *name)
 	return PG_GETARG_DATUM(argno);
 }
 
-/* Name a key in messages: "key" or "key" in scope "scope". */
-static char *
-key_display(text *scope, text *key)
+/*
+ * Refuse a call that may write, before it reads anything: on a hot
+ * standby, and in a read-only transaction (SET TRANSACTION READ ONLY,
+ * default_transaction_read_only), whichever write path it would take.
+ * Raises 25006, as PostgreSQL's own commands do.
+ */
+static void
+check_writable(const char *function)
 {
-	if (VARSIZE_ANY_EXHDR(scope) == 0)
-		return psprintf("\"%s\"", text_to_cstring(key));
-	return psprintf("\"%s\" in scope \"%s\"", text_to_cstring(key),
-					text_to_cstring(scope));
+	PreventCommandDuringRecovery(function);
+	PreventCommandIfReadOnly(function);
 }
 
 /* Whole seconds until "until", at least 1 (the Retry-After value). */
@@ -445,11 +448,16 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 	}
 	/*
 	 * A live lease, and for a session-bound claim a live session too: once
-	 * the owner's session ended the key is reclaimable at once.
+	 * the owner's session ended the key is reclaimable at once.  A claim
+	 * that our own open transaction (or an earlier element of this batch)
+	 * wrote is held by us whatever its lease: taking it over would hand
+	 * out a second token for an attempt that is still running here.
 	 */
-	if (row->has_token && row->lease_until > now &&
-		(!row->has_owner_session || row->mine ||
-		 idem_session_alive(row->owner_session)))
+	if (row->has_token &&
+		(row->mine ||
+		 (row->lease_until > now &&
+		  (!row->has_owner_session ||
+		   idem_session_alive(row->owner_session)))))
 	{
 		res->outcome = OUTCOME_IN_PROGRESS;
 		res->held_by_me = row->mine;
@@ -756,7 +764,7 @@ idem_claim(PG_FUNCTION_ARGS)
 		arg_not_null(fcinfo, 6, "session_bound");
 		args.session_bound = PG_GETARG_BOOL(6);
 	}
-	PreventCommandDuringRecovery("idem_claim()");
+	check_writable("idem_claim()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);
 	if (args.session_bound)
@@ -882,7 +890,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	claim_common_args(fcinfo, &args);
 	arg_not_null(fcinfo, 5, "session_bound");
 	args.session_bound = PG_GETARG_BOOL(5);
-	PreventCommandDuringRecovery("idem_claim_many()");
+	check_writable("idem_claim_many()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);
 	if (args.session_bound)
@@ -911,6 +919,8 @@ idem_claim_many(PG_FUNCTION_ARGS)
 			args.hash = idem_key_hash(args.scope, args.key);
 			claim_once(&args, &res);
 			claim_count(&res);
+			/* An element is claimed; the batch has not returned yet. */
+			IDEM_PAUSE("claim-many-element");
 
 			values[0] = Int32GetDatum(i + 1);
 			values[1] = keys.elems[i];
@@ -979,6 +989,26 @@ token_call_args(FunctionCallInfo fcinfo, TokenCallKind kind, int key_arg,
 	call->token = PG_GETARG_INT64(1);
 }
 
+IDEM_NORETURN static void token_call_raise_dead(const TokenCall *call,
+												bool has_token, int32 attempt);
+
+/*
+ * Raise 55006: the call's token is not the key's current one ("has_token"
+ * and "attempt" of the committed row).
+ */
+static void
+token_call_raise_dead(const TokenCall *call, bool has_token, int32 attempt)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_IN_USE),
+			 errmsg("token " INT64_FORMAT " is not the current token of idempotency key %s",
+					call->token, idem_key_display(call->scope, call->key)),
+			 has_token ?
+			 errdetail("Attempt %d holds the key now.", attempt) :
+			 errdetail("The sweeper reset the key after its lease ended."),
+			 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
+}
+
 /*
  * Lock the key and probe it for the call, once all its arguments are
  * checked.  Raises the documented error for every case in which the call
@@ -1002,7 +1032,7 @@ token_call_begin(TokenCall *call)
 	text	   *key = call->key;
 	text	   *scope = call->scope;
 
-	PreventCommandDuringRecovery(call_functions[call->kind]);
+	check_writable(call_functions[call->kind]);
 	idem_tenant_check(scope);
 	idem_catalog_select_scope(scope);
 	call->hash = idem_key_hash(scope, key);
@@ -1019,11 +1049,25 @@ token_call_begin(TokenCall *call)
 		call->now = GetCurrentTimestamp();
 	}
 
+	/*
+	 * A token that the committed row does not hold is dead, whatever
+	 * another transaction is doing to the key right now.
+	 */
+	if (row->locked && row->found && row->status == IDEM_PENDING &&
+		row->expires_at > call->now &&
+		(!row->has_token || row->token != call->token))
+		token_call_raise_dead(call, row->has_token, row->attempt);
+	if (row->busy && row->busy_old && row->busy_old_status == IDEM_PENDING &&
+		row->busy_old_expires_at > call->now &&
+		(!row->busy_old_has_token || row->busy_old_token != call->token))
+		token_call_raise_dead(call, row->busy_old_has_token,
+							  row->busy_old_attempt);
+
 	if (row->busy || row->locked)
 		ereport(ERROR,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 				 errmsg("could not %s idempotency key %s",
-						call_names[call->kind], key_display(scope, key)),
+						call_names[call->kind], idem_key_display(scope, key)),
 				 row->locked ?
 				 errdetail("Another transaction holds a row lock on this key.") :
 				 !row->busy_new ?
@@ -1038,7 +1082,7 @@ token_call_begin(TokenCall *call)
 		ereport(ERROR,
 				(errcode(ERRCODE_NO_DATA_FOUND),
 				 errmsg("idempotency key %s does not exist",
-						key_display(scope, key)),
+						idem_key_display(scope, key)),
 				 errdetail("It was never claimed, was released, or its retention has passed.")));
 	if (row->status != IDEM_PENDING)
 	{
@@ -1048,20 +1092,13 @@ token_call_begin(TokenCall *call)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idempotency key %s is already finished",
-						key_display(scope, key)),
+						idem_key_display(scope, key)),
 				 call->kind == CALL_FINISH ?
 				 errdetail("Another attempt stored its result.") :
 				 errdetail("Its status is \"%s\".", idem_status_names[row->status])));
 	}
 	if (!row->has_token || row->token != call->token)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_IN_USE),
-				 errmsg("token " INT64_FORMAT " is not the current token of idempotency key %s",
-						call->token, key_display(scope, key)),
-				 row->has_token ?
-				 errdetail("Attempt %d holds the key now.", row->attempt) :
-				 errdetail("The sweeper reset the key after its lease ended."),
-				 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
+		token_call_raise_dead(call, row->has_token, row->attempt);
 	idem_row_check_snapshot(row);
 	return true;
 }
@@ -1144,8 +1181,11 @@ finish_many_context(void *arg)
 {
 	const FinishManyElement *elem = (const FinishManyElement *) arg;
 
+	/* Between elements (an interrupt, say) there is no key to name. */
+	if (elem->call.key == NULL)
+		return;
 	errcontext("idem_finish_many element %d, key %s",
-			   elem->ord, key_display(elem->call.scope, elem->call.key));
+			   elem->ord, idem_key_display(elem->call.scope, elem->call.key));
 }
 
 /*
@@ -1173,6 +1213,8 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	ErrorContextCallback errcb;
 	FinishManyElement elem;
 	int64		finished = 0;
+	MemoryContext outer;
+	MemoryContext elem_cxt;
 
 	arg_array(fcinfo, 0, "keys", true, TEXTOID, &keys);
 	arg_array(fcinfo, 1, "tokens", true, INT8OID, &tokens);
@@ -1200,8 +1242,14 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	status = arg_status(fcinfo, 5);
 	retention = arg_interval(fcinfo, 6);
 	check_positive(retention, "retention");
+	check_writable("idem_finish_many()");
 
 	result_init(fcinfo);
+	outer = CurrentMemoryContext;
+	elem_cxt = AllocSetContextCreate(outer, "idem_finish_many element",
+									 ALLOCSET_DEFAULT_SIZES);
+	/* The callback reads elem from here on: it is valid at every point. */
+	memset(&elem, 0, sizeof(FinishManyElement));
 	errcb.callback = finish_many_context;
 	errcb.arg = &elem;
 	errcb.previous = error_context_stack;
@@ -1213,8 +1261,13 @@ idem_finish_many(PG_FUNCTION_ARGS)
 		bool		has_code = codes.given && !codes.nulls[i];
 		bool		wrote;
 
-		CHECK_FOR_INTERRUPTS();
 		memset(&elem, 0, sizeof(FinishManyElement));
+		/* Between two elements: a cancel is taken here. */
+		IDEM_PAUSE("finish-many-element");
+		CHECK_FOR_INTERRUPTS();
+		/* What one element allocates is gone before the next. */
+		MemoryContextReset(elem_cxt);
+		MemoryContextSwitchTo(elem_cxt);
 		elem.ord = i + 1;
 		elem.call.kind = CALL_FINISH;
 		elem.call.key = (text *) DatumGetPointer(keys.elems[i]);
@@ -1229,10 +1282,12 @@ idem_finish_many(PG_FUNCTION_ARGS)
 					   bodies.elems[i] : (Datum) 0,
 					   retention, &wrote));
 		finished += wrote;
+		MemoryContextSwitchTo(outer);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
 							 nulls);
 	}
 	error_context_stack = errcb.previous;
+	MemoryContextDelete(elem_cxt);
 	/* counted once all are done: a refused batch finished nothing */
 	idem_stats_count(IDEM_STAT_FINISHES, finished);
 	PG_RETURN_VOID();
@@ -1366,7 +1421,7 @@ idem_sweep(PG_FUNCTION_ARGS)
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("batch_size must be positive")));
 	}
-	PreventCommandDuringRecovery("idem_sweep()");
+	check_writable("idem_sweep()");
 
 	result_init(fcinfo);
 	start = GetCurrentTimestamp();

@@ -49,20 +49,20 @@
 #include "store.h"
 
 const KeysColumnDef idem_keys_columns[NUM_COLS] = {
-	[COL_SCOPE - 1] = {"scope", TEXTOID},
-	[COL_KEY - 1] = {"key", TEXTOID},
-	[COL_STATUS - 1] = {"status", TEXTOID},
+	[COL_SCOPE - 1] = {"scope", TEXTOID, true},
+	[COL_KEY - 1] = {"key", TEXTOID, true},
+	[COL_STATUS - 1] = {"status", TEXTOID, true},
 	[COL_TOKEN - 1] = {"token", INT8OID},
-	[COL_ATTEMPT - 1] = {"attempt", INT4OID},
+	[COL_ATTEMPT - 1] = {"attempt", INT4OID, true},
 	[COL_FINGERPRINT - 1] = {"fingerprint", BYTEAOID},
 	[COL_RESPONSE_CODE - 1] = {"response_code", INT4OID},
 	[COL_RESPONSE_BODY - 1] = {"response_body", JSONBOID},
-	[COL_CREATED_AT - 1] = {"created_at", TIMESTAMPTZOID},
+	[COL_CREATED_AT - 1] = {"created_at", TIMESTAMPTZOID, true},
 	[COL_FINISHED_AT - 1] = {"finished_at", TIMESTAMPTZOID},
 	[COL_LEASE_UNTIL - 1] = {"lease_until", TIMESTAMPTZOID},
-	[COL_EXPIRES_AT - 1] = {"expires_at", TIMESTAMPTZOID},
-	[COL_RETENTION - 1] = {"retention", INTERVALOID},
-	[COL_SWEEP_AT - 1] = {"sweep_at", TIMESTAMPTZOID},
+	[COL_EXPIRES_AT - 1] = {"expires_at", TIMESTAMPTZOID, true},
+	[COL_RETENTION - 1] = {"retention", INTERVALOID, true},
+	[COL_SWEEP_AT - 1] = {"sweep_at", TIMESTAMPTZOID, true},
 	[COL_PHASE - 1] = {"phase", TEXTOID},
 	[COL_PHASE_DATA - 1] = {"phase_data", JSONBOID},
 	[COL_OWNER_SESSION - 1] = {"owner_session", INT8OID},
@@ -195,11 +195,24 @@ catalog_check_columns(Relation heap)
 	if (desc->natts != NUM_COLS && desc->natts != NUM_COLS_1_0)
 		idem_catalog_refuse_replaced(what);
 	for (int i = 0; i < desc->natts; i++)
-		if (TupleDescAttr(desc, i)->atttypid != idem_keys_columns[i].type ||
-			TupleDescAttr(desc, i)->attisdropped ||
-			strcmp(NameStr(TupleDescAttr(desc, i)->attname),
-				   idem_keys_columns[i].name) != 0)
+	{
+		Form_pg_attribute att = TupleDescAttr(desc, i);
+
+		if (att->atttypid != idem_keys_columns[i].type ||
+			att->attisdropped ||
+			strcmp(NameStr(att->attname), idem_keys_columns[i].name) != 0)
 			idem_catalog_refuse_replaced(what);
+		/* Readers take these columns' values as given. */
+		if (idem_keys_columns[i].not_null && !att->attnotnull)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("column \"%s\" of %s has lost its NOT NULL constraint",
+							idem_keys_columns[i].name, what),
+					 errdetail("Extension \"idempotency\" creates it NOT NULL and relies on a value in every row."),
+					 errhint("Restore the constraint with ALTER TABLE idempotency.%s ALTER COLUMN %s SET NOT NULL.",
+							 RelationGetRelationName(heap),
+							 quote_identifier(idem_keys_columns[i].name))));
+	}
 	pfree(what);
 	return desc->natts;
 }

@@ -105,6 +105,9 @@ extern uint64 idem_key_hash(text *scope, text *key);
  * probe saw the new row version it writes (none: a delete), and busy_token
  * is that version's token (0 when NULL: a reset), so that the holder of a
  * token can tell a change that keeps its token current from a takeover.
+ * busy_old says the probe saw the committed version being changed, with
+ * its status and token: a token that version does not hold was dead
+ * before the change began.
  */
 typedef struct IdemRow
 {
@@ -113,6 +116,12 @@ typedef struct IdemRow
 	TransactionId busy_xid;
 	bool		busy_new;
 	int64		busy_token;
+	bool		busy_old;
+	IdemStatus	busy_old_status;
+	bool		busy_old_has_token;
+	int64		busy_old_token;
+	int32		busy_old_attempt;
+	TimestampTz busy_old_expires_at;
 	bool		locked;			/* row-locked by another running transaction */
 	bool		mine;
 	ItemPointerData tid;
@@ -148,6 +157,7 @@ typedef enum IdemProbeMode
 	IDEM_PROBE_SNAPSHOT			/* the active MVCC snapshot (lookup) */
 } IdemProbeMode;
 
+extern char *idem_key_display(text *scope, text *key);
 extern void idem_row_probe(text *scope, text *key, IdemProbeMode mode,
 						   bool want_body, IdemRow *row);
 extern void idem_row_check_snapshot(const IdemRow *row);

@@ -64,6 +64,42 @@ idem_status_parse(const char *name, int len, IdemStatus *status)
 	return false;
 }
 
+/* Name a key in messages: "key" or "key" in scope "scope". */
+char *
+idem_key_display(text *scope, text *key)
+{
+	if (VARSIZE_ANY_EXHDR(scope) == 0)
+		return psprintf("\"%s\"", text_to_cstring(key));
+	return psprintf("\"%s\" in scope \"%s\"", text_to_cstring(key),
+					text_to_cstring(scope));
+}
+
+/*
+ * Raise XX001 unless every column declared NOT NULL has a value in the
+ * row in "slot" (all attributes fetched).  The catalog refuses a table
+ * whose constraints were dropped, so only a damaged page gets here; the
+ * decoders below rely on the values and must never read a NULL datum.
+ */
+static void
+row_check_not_null(TupleTableSlot *slot)
+{
+	bool	   *n = slot->tts_isnull;
+
+	for (int i = 0; i < NUM_COLS_1_0; i++)
+	{
+		if (!idem_keys_columns[i].not_null || !n[i])
+			continue;
+		ereport(ERROR,
+				(errcode(ERRCODE_DATA_CORRUPTED),
+				 errmsg("idempotency key %s has no value in column \"%s\"",
+						(n[COL_SCOPE - 1] || n[COL_KEY - 1]) ? "(unknown)" :
+						idem_key_display(DatumGetTextPP(slot->tts_values[COL_SCOPE - 1]),
+										 DatumGetTextPP(slot->tts_values[COL_KEY - 1])),
+						idem_keys_columns[i].name),
+				 errhint("Someone changed idempotency.keys outside the extension's functions.")));
+	}
+}
+
 /*
  * Decode the row in "slot" into *row; the stored payloads (response body,
  * phase, phase data) only when wanted.
@@ -76,6 +112,7 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 	text	   *status;
 
 	slot_getallattrs(slot);
+	row_check_not_null(slot);
 	v = slot->tts_values;
 	n = slot->tts_isnull;
 
@@ -229,8 +266,34 @@ row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 		row->busy_new = true;
 		row->busy_token = isnull ? 0 : DatumGetInt64(token);
 	}
-	else if (!TransactionIdIsValid(row->busy_xid))
-		row->busy_xid = dirty->xmax;
+	else
+	{
+		/*
+		 * The committed version another transaction is changing: whose
+		 * token it holds tells a token holder whether its token was dead
+		 * already, whatever that change turns out to be.
+		 */
+		bool		isnull;
+		Datum		d;
+
+		if (!TransactionIdIsValid(row->busy_xid))
+			row->busy_xid = dirty->xmax;
+		d = slot_getattr(slot, COL_STATUS, &isnull);
+		if (!isnull &&
+			idem_status_parse(VARDATA_ANY(DatumGetTextPP(d)),
+							  VARSIZE_ANY_EXHDR(DatumGetTextPP(d)),
+							  &row->busy_old_status))
+		{
+			d = slot_getattr(slot, COL_TOKEN, &isnull);
+			row->busy_old = true;
+			row->busy_old_has_token = !isnull;
+			row->busy_old_token = isnull ? 0 : DatumGetInt64(d);
+			d = slot_getattr(slot, COL_ATTEMPT, &isnull);
+			row->busy_old_attempt = isnull ? 0 : DatumGetInt32(d);
+			d = slot_getattr(slot, COL_EXPIRES_AT, &isnull);
+			row->busy_old_expires_at = isnull ? 0 : DatumGetTimestampTz(d);
+		}
+	}
 }
 
 /* Does the row in "slot" hold (scope, key)? */
@@ -455,6 +518,12 @@ row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
 				*sessions = repalloc(*sessions, sizeof(int64) * alloc);
 		}
 		slot_getsomeattrs(slot, lastcol);
+		if (slot->tts_isnull[COL_SCOPE - 1] || slot->tts_isnull[COL_KEY - 1])
+			ereport(ERROR,
+					(errcode(ERRCODE_DATA_CORRUPTED),
+					 errmsg("an idempotency key has no value in column \"%s\"",
+							slot->tts_isnull[COL_SCOPE - 1] ? "scope" : "key"),
+					 errhint("Someone changed idempotency.keys outside the extension's functions.")));
 		(*tids)[n] = slot->tts_tid;
 		(*scopes)[n] = DatumGetTextPCopy(slot->tts_values[COL_SCOPE - 1]);
 		(*keys)[n] = DatumGetTextPCopy(slot->tts_values[COL_KEY - 1]);

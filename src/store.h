@@ -63,6 +63,7 @@ typedef struct KeysColumnDef
 {
 	const char *name;
 	Oid			type;
+	bool		not_null;		/* declared NOT NULL: readers rely on a value */
 } KeysColumnDef;
 
 /* Indexed by column number - 1. */

@@ -289,7 +289,8 @@ sweep_relation(int batch, int max_fetches, bool sessions, bool *sessions_done,
  * skipped; "max_fetches" (0: no limit) bounds that for the worker, which
  * slices its visits by time.  The keys of ended sessions are looked for
  * when "sessions_seen" is NULL (idem_sweep) or when sessions with a binding
- * ended since the count it holds (the worker's), which is then moved on.
+ * ended since the count it holds (the worker's, which starts from a value
+ * no count has), which is then moved on.
  * Returns true when more rows may be due.
  */
 bool
@@ -297,8 +298,7 @@ idem_sweep_batch_run(int batch, int max_fetches, uint64 *sessions_seen,
 					 int64 *expired, int64 *reset)
 {
 	uint64		ends = idem_session_ends();
-	bool		sessions = sessions_seen == NULL || ends == 0 ||
-		ends != *sessions_seen;
+	bool		sessions = sessions_seen == NULL || ends != *sessions_seen;
 	bool		all_sessions_done = true;
 	bool		more = false;
 	int			nrel = idem_catalog_local_count();

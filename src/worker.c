@@ -108,6 +108,7 @@ typedef struct WorkerShared
 	VisitResult result;
 	uint32		cause;			/* of a failure: see sweeper_cause() */
 	char		message[REPORT_MESSAGE_LEN];
+	uint64		sessions_seen;	/* the sweeper's SweeperArgs.sessions_seen, moved on */
 } WorkerShared;
 
 /* What the launcher tells a sweeper, in its bgw_extra. */
@@ -115,6 +116,7 @@ typedef struct SweeperArgs
 {
 	uint64		visit;			/* the launcher's visit number */
 	uint32		last_cause;		/* cause of this database's last failure, or 0 */
+	uint64		sessions_seen;	/* ended session bindings already seen to */
 } SweeperArgs;
 
 static WorkerShared *worker_shared = NULL;
@@ -127,7 +129,23 @@ typedef struct DbTrack
 	TimestampTz next_try;
 	bool		warned_no_slot; /* "no worker slot" logged since last visit */
 	uint32		last_cause;		/* of the last failure, 0 when none */
+	uint64		sessions_seen;	/* see SESSIONS_NEVER_SEEN */
 } DbTrack;
+
+/*
+ * A database's count of ended session bindings that its sweepers have seen
+ * to, before any did: its first visit (after a start of the launcher, also
+ * after a server restart, which loses every session) looks for the keys of
+ * ended sessions whatever the count says.
+ */
+#define SESSIONS_NEVER_SEEN		PG_UINT64_MAX
+
+/*
+ * The count of ended session bindings this database's sweepers have seen
+ * to: from the launcher when the sweeper starts, back to it in the report.
+ * A visit scans for the keys of ended sessions only when it moved.
+ */
+static uint64 sessions_seen = SESSIONS_NEVER_SEEN;
 
 static DbTrack tracked[MAX_TRACKED_DBS];
 static int	ntracked = 0;
@@ -210,6 +228,7 @@ worker_report(VisitResult result, uint32 cause, const char *message)
 		worker_shared->cause = cause;
 		strlcpy(worker_shared->message, message ? message : "",
 				sizeof(worker_shared->message));
+		worker_shared->sessions_seen = sessions_seen;
 	}
 	SpinLockRelease(&worker_shared->mutex);
 }
@@ -229,9 +248,6 @@ sweeper_extension_installed(void)
 {
 	return OidIsValid(get_extension_oid("idempotency", true));
 }
-
-/* The count of ended session bindings this worker last looked after. */
-static uint64 sessions_seen = 0;
 
 /*
  * Run one sweep batch in a transaction of its own, in worker_spi's order.
@@ -324,6 +340,7 @@ idem_sweeper_main(Datum arg)
 											  BGWORKER_BYPASS_ALLOWCONN);
 	if (!database_visitable(dbid))
 		proc_exit(0);
+	sessions_seen = worker_my_args().sessions_seen;
 	StartTransactionCommand();
 	dbname = get_database_name(dbid);
 	dbname = dbname ? MemoryContextStrdup(cxt, dbname) : NULL;
@@ -516,6 +533,7 @@ launcher_track(Oid dbid)
 	if (ntracked == MAX_TRACKED_DBS)
 		ntracked = 0;			/* forget everything rather than fail */
 	memset(&tracked[ntracked], 0, sizeof(DbTrack));
+	tracked[ntracked].sessions_seen = SESSIONS_NEVER_SEEN;
 	tracked[ntracked].dbid = dbid;
 	return &tracked[ntracked++];
 }
@@ -561,8 +579,10 @@ launcher_visit(DbEntry *db)
 	worker_shared->result = VISIT_NONE;
 	worker_shared->cause = 0;
 	worker_shared->message[0] = '\0';
+	worker_shared->sessions_seen = track->sessions_seen;
 	SpinLockRelease(&worker_shared->mutex);
 	args.last_cause = track->last_cause;
+	args.sessions_seen = track->sessions_seen;
 	StaticAssertStmt(sizeof(SweeperArgs) <= BGW_EXTRALEN,
 					 "SweeperArgs must fit in bgw_extra");
 	memcpy(worker.bgw_extra, &args, sizeof(args));
@@ -589,6 +609,8 @@ launcher_visit(DbEntry *db)
 	result = worker_shared->result;
 	cause = worker_shared->cause;
 	strlcpy(message, worker_shared->message, sizeof(message));
+	if (result == VISIT_DONE || result == VISIT_MORE)
+		track->sessions_seen = worker_shared->sessions_seen;
 	SpinLockRelease(&worker_shared->mutex);
 
 	if ((result == VISIT_NONE || result == VISIT_FAILED) &&

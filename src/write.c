@@ -23,6 +23,7 @@
  */
 #include "postgres.h"
 
+#include "access/relation.h"
 #include "access/xact.h"
 #include "access/xlog.h"
 #include "catalog/pg_type.h"
@@ -30,6 +31,7 @@
 #include "executor/spi.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
+#include "storage/bufmgr.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/resowner.h"
@@ -125,21 +127,26 @@ typedef struct WriteRow
 	bool		nulls[NUM_COLS];
 } WriteRow;
 
-/* The identity to restore at the end of a write section. */
+/* The identity and settings to restore at the end of a write section. */
 typedef struct WriteSection
 {
 	Oid			saved_userid;
 	int			saved_sec_context;
+	int			guc_nestlevel;
 } WriteSection;
 
 /*
- * Act as the table's owner, with restricted security, until
- * write_section_end: the caller need not have any privilege on the table,
- * and nothing the table's owner attached can change session state.  The
- * saved identity is kept on the caller's stack, so that a section opened
- * inside another one (a trigger on the table that calls these functions)
- * restores what its own caller had.  An ERROR in between is cleaned up by
- * transaction abort.
+ * Act as the table's owner, with restricted security and search_path set
+ * to pg_catalog, pg_temp, until write_section_end: the caller need not
+ * have any privilege on the table, nothing the table's owner attached (a
+ * trigger, a rule, a CHECK constraint, an index expression) can change
+ * session state, and none of it can resolve a name in a schema the caller
+ * controls, as PostgreSQL runs index expressions in its maintenance
+ * commands.  The saved identity is kept on the caller's stack, so that a
+ * section opened inside another one (a trigger on the table that calls
+ * these functions) restores what its own caller had.  An ERROR in between
+ * is cleaned up by transaction (or subtransaction) abort, which also
+ * unwinds the GUC nest level.
  */
 static void
 write_section_begin(WriteSection *section)
@@ -150,11 +157,15 @@ write_section_begin(WriteSection *section)
 	SetUserIdAndSecContext(owner, section->saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
+	section->guc_nestlevel = NewGUCNestLevel();
+	(void) set_config_option("search_path", "pg_catalog, pg_temp", PGC_USERSET,
+							 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
 }
 
 static void
 write_section_end(WriteSection *section)
 {
+	AtEOXact_GUC(true, section->guc_nestlevel);
 	SetUserIdAndSecContext(section->saved_userid, section->saved_sec_context);
 }
 
@@ -353,18 +364,20 @@ write_execute_skipping(WriteKind kind, const WriteRow *row)
 	{
 		ErrorData  *edata;
 
+		/*
+		 * The subtransaction ends here whatever the error: one left open
+		 * would outlive the caller's exception handler or ROLLBACK.  The
+		 * error is copied out of it first and raised again after.
+		 */
 		MemoryContextSwitchTo(cxt);
 		edata = CopyErrorData();
-		if (edata->sqlerrcode != ERRCODE_T_R_SERIALIZATION_FAILURE)
-		{
-			FreeErrorData(edata);
-			PG_RE_THROW();
-		}
 		FlushErrorState();
-		FreeErrorData(edata);
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(cxt);
 		CurrentResourceOwner = owner;
+		if (edata->sqlerrcode != ERRCODE_T_R_SERIALIZATION_FAILURE)
+			ReThrowError(edata);
+		FreeErrorData(edata);
 	}
 	PG_END_TRY();
 	return written;
@@ -686,35 +699,56 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 
 /*
  * While a batch hands out its tokens (idem_write_defer_token_flush ..
- * idem_write_flush_tokens), whether a token's WAL still needs a flush.
+ * idem_write_flush_tokens), the WAL position its tokens need flushed.
  */
 static bool token_flush_deferred = false;
-static bool token_flush_owed = false;
+static XLogRecPtr token_flush_lsn = InvalidXLogRecPtr;
+
+/*
+ * The WAL position up to which the token sequence's values are durable:
+ * the LSN of its page.  A sequence logs its position ahead (every 32
+ * values, and at the first nextval after a checkpoint) and sets the page's
+ * LSN to that record; the values handed out until the next such record,
+ * by any backend, are covered by it.
+ */
+static XLogRecPtr
+token_sequence_lsn(Oid seqid)
+{
+	Relation	seqrel = relation_open(seqid, AccessShareLock);
+	Buffer		buf = ReadBuffer(seqrel, 0);
+	XLogRecPtr	lsn;
+
+	LockBuffer(buf, BUFFER_LOCK_SHARE);
+	lsn = PageGetLSN(BufferGetPage(buf));
+	UnlockReleaseBuffer(buf);
+	relation_close(seqrel, NoLock);
+	return lsn;
+}
 
 /*
  * The next fencing token: larger than every token issued before, even
- * across a crash.  A sequence logs its position ahead (every 32 values and
- * after each checkpoint) but leaves flushing that record to the commit, so
- * a token handed out by a transaction that never commits could be issued
- * again after a crash.  The caller may already have passed that token to
- * a downstream system, so when nextval wrote WAL, flush it before the
- * token leaves the server: now (one flush per 32 tokens at most), or, in a
- * batch, once when the batch returns its tokens.
+ * across a crash.  The sequence record that covers a value may have been
+ * written by another backend and not be flushed yet (flushing is left to
+ * commit), so a token of a transaction that never commits, or of one cut
+ * short by a crash, could be issued again after the crash.  The caller
+ * may already have passed the token to a downstream system: flush the WAL
+ * up to the sequence page's LSN before the token leaves the server, now
+ * (a no-op when it is flushed already), or, in a batch, once when the
+ * batch returns its tokens.
  */
 int64
 idem_write_next_token(void)
 {
-	XLogRecPtr	before = XactLastRecEnd;
+	Oid			seqid = idem_catalog()->token_seq;
 	int64		token;
+	XLogRecPtr	lsn;
 
-	token = nextval_internal(idem_catalog()->token_seq, false);
-	if (XactLastRecEnd != before)
-	{
-		if (token_flush_deferred)
-			token_flush_owed = true;
-		else
-			XLogFlush(XactLastRecEnd);
-	}
+	token = nextval_internal(seqid, false);
+	lsn = token_sequence_lsn(seqid);
+	if (token_flush_deferred)
+		token_flush_lsn = Max(token_flush_lsn, lsn);
+	else
+		XLogFlush(lsn);
 	return token;
 }
 
@@ -744,15 +778,15 @@ void
 idem_write_defer_token_flush(void)
 {
 	token_flush_deferred = true;
-	token_flush_owed = false;
+	token_flush_lsn = InvalidXLogRecPtr;
 }
 
 /* The batch's tokens are about to leave: flush what they need (if "flush"). */
 void
 idem_write_flush_tokens(bool flush)
 {
-	if (flush && token_flush_owed)
-		XLogFlush(XactLastRecEnd);
+	if (flush && token_flush_lsn != InvalidXLogRecPtr)
+		XLogFlush(token_flush_lsn);
 	token_flush_deferred = false;
-	token_flush_owed = false;
+	token_flush_lsn = InvalidXLogRecPtr;
 }

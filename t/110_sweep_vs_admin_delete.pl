@@ -51,6 +51,26 @@ sub fill_expired
 	sql('ANALYZE idempotency.keys');
 }
 
+# Send $statement to a background psql session and return once the session
+# has started it (it echoes "started" first), with what the session printed
+# so far; finish_statement takes that.  query_until returns all the output
+# read so far and then drops it: on a busy machine the statement can end
+# before "started" is read, and its "finished" is then read along with it,
+# so waiting for "finished" with another query_until would never end.
+sub start_statement
+{
+	my ($session, $statement) = @_;
+	return $session->query_until(qr/started\n/,
+		"\\echo started\n$statement;\n\\echo finished\n");
+}
+
+# Return once the statement that start_statement sent has ended.
+sub finish_statement
+{
+	my ($session, $seen) = @_;
+	$session->query_until(qr/finished\n/, '') unless $seen =~ /finished\n/;
+}
+
 # A procedure that sweeps in committed batches until nothing is left,
 # like the worker, returning how many keys it expired.
 sql(q{
@@ -77,11 +97,11 @@ for my $round (1 .. $rounds)
 	my $admin   = $node->background_psql('postgres', on_error_stop => 0);
 
 	# start both; the DELETE a moment after the sweep, so they meet
-	$sweeper->query_until(qr/started/, "\\echo started\nCALL sweep_all();\n\\echo sweep-done\n");
-	$admin->query_until(qr/started/,
-		"\\echo started\nDELETE FROM idempotency.keys WHERE scope = 'r$round';\n\\echo delete-done\n");
-	$sweeper->query_until(qr/sweep-done/, '');
-	$admin->query_until(qr/delete-done/, '');
+	my $swept = start_statement($sweeper, 'CALL sweep_all()');
+	my $deleted = start_statement($admin,
+		"DELETE FROM idempotency.keys WHERE scope = 'r$round'");
+	finish_statement($sweeper, $swept);
+	finish_statement($admin, $deleted);
 	my $err = $sweeper->{stderr} . $admin->{stderr};
 	$sweeper->quit;
 	$admin->quit;
@@ -101,9 +121,8 @@ for my $round (1 .. $rounds)
 	alter_system($node, 'idempotency.sweep_interval', '100ms');
 	# let the worker get going on the keys, then delete them under it
 	usleep(150_000 + 20_000 * $round);
-	$admin->query_until(qr/started/,
-		"\\echo started\nDELETE FROM idempotency.keys WHERE scope = 'w$round';\n\\echo delete-done\n");
-	$admin->query_until(qr/delete-done/, '');
+	finish_statement($admin, start_statement($admin,
+		"DELETE FROM idempotency.keys WHERE scope = 'w$round'"));
 	my $err = $admin->{stderr};
 	$admin->quit;
 	stop_sweeping($node);

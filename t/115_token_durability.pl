@@ -1,0 +1,95 @@
+
+# Copyright: the idempotency extension authors.
+#
+# 115_token_durability.pl: no fencing token reaches a client before the
+# sequence record that covers it is flushed, whichever backend wrote that
+# record.  A sequence logs its position 32 values ahead and leaves the
+# flush to commit; a batch of claims draws its first token after a
+# checkpoint (so its nextval writes that record) and stops half-way, its
+# transaction open.  Other sessions then take tokens from the logged range,
+# by single claims and by batches, and keep their transactions open, so no
+# commit flushes anything.  After an immediate stop (a crash) every token a
+# client saw must be below every token issued after the restart.
+#
+# Needs a test build (make IDEM_TEST_PAUSES=1): the batch stops at the
+# pause point "claim-many-element" while this test holds
+# pg_advisory_lock(7655).  Run as described at the top of t/001_restart.pl.
+
+use strict;
+use warnings FATAL => 'all';
+
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use IdemTest;
+use List::Util qw(max min);
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+# The WAL writer must not flush the record on its own before the crash.
+my $node = new_node('tokens', port => 55454,
+	conf => ["wal_writer_delay = '10s'", "wal_writer_flush_after = 0",
+		"idempotency.sweep_interval = 0"],
+	extension => 1);
+
+sub sql { return $node->safe_psql('postgres', $_[0]); }
+
+for my $round (1 .. 3)
+{
+	my @seen;
+	my $hold = $node->background_psql('postgres');
+	$hold->query_safe('SELECT pg_advisory_lock(7655)');
+
+	# The batch: its first nextval after the checkpoint writes the record.
+	sql('CHECKPOINT');
+	my $batch = $node->background_psql('postgres');
+	$batch->query_safe("SET application_name = 'batch'");
+	$batch->query_safe("SET idempotency.test_pause = 'claim-many-element'");
+	$batch->query_until(qr/started/,
+		"\\echo started\nBEGIN;\nSELECT max(token) FROM idempotency.idem_claim_many("
+		  . "ARRAY['b$round-1', 'b$round-2'], scope => 'durable');\n");
+	ok( $node->poll_query_until(
+			'postgres',
+			"SELECT wait_event_type = 'Lock' FROM pg_stat_activity "
+			  . "WHERE application_name = 'batch'"),
+		"round $round: the batch stops after its first element");
+
+	# Single claims and batches of others, each in an open transaction.
+	my @open;
+	for my $i (1 .. 3)
+	{
+		my $s = $node->background_psql('postgres');
+		$s->query_safe('BEGIN');
+		push @seen,
+		  $s->query_safe("SELECT token FROM idempotency.idem_claim("
+			  . "'s$round-$i', scope => 'durable')");
+		push @seen,
+		  split /\n/,
+		  $s->query_safe("SELECT token FROM idempotency.idem_claim_many("
+			  . "ARRAY['m$round-$i-1', 'm$round-$i-2'], scope => 'durable') "
+			  . "ORDER BY ord");
+		push @open, $s;
+	}
+	is(scalar(grep { /^\d+$/ } @seen), 9, "round $round: 9 tokens seen by clients");
+
+	# The crash.
+	$node->stop('immediate');
+	$_->{run}->kill_kill for (@open, $batch, $hold);
+	$node->start;
+
+	my $after = sql("SELECT max(token) FROM idempotency.idem_claim_many("
+		  . "ARRAY['after$round-1', 'after$round-2'], scope => 'durable')");
+	my $single = sql("SELECT token FROM idempotency.idem_claim("
+		  . "'after$round-3', scope => 'durable')");
+	my $first_after = min(
+		sql("SELECT min(token) FROM idempotency.keys WHERE key LIKE 'after$round-%'"));
+	cmp_ok($first_after, '>', max(@seen),
+		"round $round: every token issued after the crash ($first_after..) "
+		  . "is above every token a client saw (.." . max(@seen) . ")");
+	is(sql("SELECT count(*) FROM idempotency.keys WHERE scope = 'durable' "
+			. "AND key NOT LIKE 'after%'"),
+		'0', "round $round: nothing of the open transactions survived");
+}
+
+$node->stop;
+done_testing();
