@@ -159,7 +159,7 @@ COMMIT;
 
 CREATE TABLE sweep_log (scope text, key text, status text);
 CREATE FUNCTION sweep_log_delete() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN INSERT INTO sweep_log VALUES (OLD.scope, OLD.key, OLD.status); RETURN OLD; END $$;
+BEGIN INSERT INTO public.sweep_log VALUES (OLD.scope, OLD.key, OLD.status); RETURN OLD; END $$;
 BEGIN;
 CREATE TRIGGER keys_sweep_log AFTER DELETE ON idempotency.keys
 	FOR EACH ROW EXECUTE FUNCTION sweep_log_delete();

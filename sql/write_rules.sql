@@ -157,10 +157,10 @@ SELECT stage, expired, reset FROM wr_sweeps WHERE scope = 'wr-direct' ORDER BY s
 CREATE FUNCTION wr_log_row() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
 	IF TG_OP = 'DELETE' THEN
-		INSERT INTO wr_log (scope, stage, op, key, status, attempt)
+		INSERT INTO public.wr_log (scope, stage, op, key, status, attempt)
 		VALUES (OLD.scope, current_setting('wr.stage'), TG_OP, OLD.key, OLD.status, OLD.attempt);
 	ELSE
-		INSERT INTO wr_log (scope, stage, op, key, status, attempt, changed)
+		INSERT INTO public.wr_log (scope, stage, op, key, status, attempt, changed)
 		VALUES (NEW.scope, current_setting('wr.stage'), TG_OP, NEW.key, NEW.status, NEW.attempt,
 		        CASE WHEN TG_OP = 'UPDATE' THEN
 		            (SELECT string_agg(n.key, ' ' ORDER BY n.key)

@@ -57,7 +57,7 @@ SELECT * FROM pg_temp.script('w-direct');
 -- with a row trigger: statements, and the trigger sees every write
 CREATE TABLE write_log (op text, key text, status text, attempt int);
 CREATE FUNCTION write_log_row() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN INSERT INTO write_log VALUES (TG_OP, NEW.key, NEW.status, NEW.attempt); RETURN NEW; END $$;
+BEGIN INSERT INTO public.write_log VALUES (TG_OP, NEW.key, NEW.status, NEW.attempt); RETURN NEW; END $$;
 SELECT pg_temp.stale_claim('w-trigger');
 BEGIN;
 CREATE TRIGGER keys_write_log AFTER INSERT OR UPDATE ON idempotency.keys
