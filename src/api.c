@@ -26,6 +26,7 @@
 #include <math.h>
 
 #include "access/detoast.h"
+#include "access/xact.h"
 #include "access/xlog.h"
 #include "common/int.h"
 #include "fmgr.h"
@@ -39,6 +40,7 @@
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/datum.h"
+#include "utils/hsearch.h"
 #include "utils/memutils.h"
 #include "utils/jsonb.h"
 #include "utils/lsyscache.h"
@@ -383,6 +385,55 @@ result_init(FunctionCallInfo fcinfo)
  * ---------------------------------------------------------------------
  */
 
+/*
+ * The tokens that claims of the current transaction handed out, so that a
+ * later claim of the same transaction (or batch) knows a claim it holds
+ * itself: a row this transaction wrote whose token is one of these.  A row
+ * it wrote otherwise (an extend, a checkpoint, a plain UPDATE) holds some
+ * other attempt's claim.  Kept in the transaction's memory, forgotten at
+ * its end; a token of a subtransaction rolled back since is in no row.
+ */
+static HTAB *xact_tokens = NULL;
+static bool xact_tokens_callback = false;
+
+static void
+xact_tokens_forget(XactEvent event, void *arg)
+{
+	xact_tokens = NULL;
+}
+
+/* Remember that this transaction's claim handed out "token". */
+static void
+xact_token_issued(int64 token)
+{
+	bool		found;
+
+	if (xact_tokens == NULL)
+	{
+		HASHCTL		ctl;
+
+		if (!xact_tokens_callback)
+		{
+			RegisterXactCallback(xact_tokens_forget, NULL);
+			xact_tokens_callback = true;
+		}
+		ctl.keysize = sizeof(int64);
+		ctl.entrysize = sizeof(int64);
+		ctl.hcxt = TopTransactionContext;
+		xact_tokens = hash_create("idempotency tokens of this transaction", 64,
+								  &ctl, HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+	(void) hash_search(xact_tokens, &token, HASH_ENTER, &found);
+}
+
+/* Does the current transaction hold the claim stored in "row"? */
+static bool
+claim_held_here(const IdemRow *row)
+{
+	return row->mine && row->has_token && xact_tokens != NULL &&
+		hash_search(xact_tokens, &row->token, HASH_FIND, NULL) != NULL;
+}
+
 /* Do two requests match?  NULL (no request) matches only NULL. */
 static bool
 fingerprint_matches(const ClaimArgs *args, const IdemRow *row)
@@ -450,11 +501,11 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 	 * A live lease, and for a session-bound claim a live session too: once
 	 * the owner's session ended the key is reclaimable at once.  A claim
 	 * that our own open transaction (or an earlier element of this batch)
-	 * wrote is held by us whatever its lease: taking it over would hand
-	 * out a second token for an attempt that is still running here.
+	 * made is held by us whatever its lease: taking it over would hand out
+	 * a second token for an attempt that is still running here.
 	 */
 	if (row->has_token &&
-		(row->mine ||
+		(claim_held_here(row) ||
 		 (row->lease_until > now &&
 		  (!row->has_owner_session ||
 		   idem_session_alive(row->owner_session)))))
@@ -538,6 +589,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 									owner_session);
 		idem_key_wrote(args->hash);
 
+		xact_token_issued(token);
 		res->outcome = OUTCOME_CLAIMED;
 		res->token = token;
 		res->attempt = action == ACTION_FRESH ? 1 : row.attempt + 1;
