@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# scripts/soak.sh: ./run soak, a long mixed load with a verdict.
+#   scripts/soak.sh [--minutes N] [--clients N] [--rate OPS] [--keep]
+#
+# As root: installs what is missing (apt: the build's packages, gnuplot-nox,
+# python3-psycopg), builds the extension from a copy of this tree and installs
+# it into the PostgreSQL of PG_CONFIG, starts a throwaway cluster as the
+# postgres user on a private port and socket directory, and runs bench/soak.py
+# against it with Debian's Python (the settings come from `soak.py --conf`:
+# the library preloaded, a short retention so that keys expire all the time,
+# the worker sweeping every few seconds).  --minutes: how long the load runs
+# (60); --clients: its connections (8); --rate: the operations per second
+# they offer together (600; 0: as many as they can).  Its samples, plot and
+# the server's log go to bench/out/soak/.  Exit status: bench/soak.py's (0
+# only when every check passed).  The cluster is stopped (by its data
+# directory) and the scratch directory removed at exit; --keep keeps that
+# directory (the cluster stopped).
+#
+# Settings (environment): PG_CONFIG (default Debian's 15), IDEM_SOAK_PORT
+# (default 55470), IDEM_SOAK_MAKE_FLAGS (extra make variables of the build,
+# e.g. IDEM_TEST_PAUSES=1 to install the same library as ./run test does).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+readonly ROOT
+PY=/usr/bin/python3
+: "${IDEM_SOAK_PORT:=55470}"
+
+# shellcheck source=scripts/cluster.sh
+source "$ROOT/scripts/cluster.sh"
+# shellcheck source=scripts/setup.sh
+source "$ROOT/scripts/setup.sh"
+
+MINUTES=60 CLIENTS=8 RATE=600 KEEP=0 WORK=""
+
+usage() {
+	echo "usage: ./run soak [--minutes N] [--clients N] [--rate OPS] [--keep]" >&2
+	exit 2
+}
+
+while (($#)); do
+	case $1 in
+	--minutes | --clients | --rate)
+		[[ ${2:-} =~ ^[0-9]+(\.[0-9]+)?$ ]] || usage
+		case $1 in
+		--minutes) MINUTES=$2 ;;
+		--clients) CLIENTS=$2 ;;
+		--rate) RATE=$2 ;;
+		esac
+		shift 2
+		;;
+	--keep) KEEP=1 && shift ;;
+	*) usage ;;
+	esac
+done
+
+# shellcheck disable=SC2317 # called by the EXIT trap
+cleanup() {
+	cluster_stop_all >/dev/null 2>&1 || true
+	if [[ -n $WORK && $KEEP -eq 0 ]]; then
+		rm -rf "$WORK"
+	elif [[ -n $WORK ]]; then
+		echo "== kept: $WORK"
+	fi
+}
+
+setup_require_root
+setup_packages gnuplot-nox python3-psycopg
+PG_BIN=$("$PG_CONFIG" --bindir)
+if [[ ! -f $("$PG_CONFIG" --sharedir)/extension/amcheck.control ]]; then
+	echo "soak: amcheck is not installed in $("$PG_CONFIG" --sharedir)/extension" >&2
+	exit 1
+fi
+WORK=$(mktemp -d /tmp/idempotency-soak.XXXXXX)
+chmod 755 "$WORK"
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+setup_copy_tree "$ROOT" "$WORK/src"
+read -ra SETUP_MAKE_FLAGS <<<"${IDEM_SOAK_MAKE_FLAGS:-}"
+setup_build_install "$WORK/src"
+
+out="$ROOT/bench/out/soak"
+mkdir -p "$out"
+dir="$WORK/cluster"
+mapfile -t conf < <("$PY" "$ROOT/bench/soak.py" --conf --minutes "$MINUTES")
+echo "== starting a throwaway cluster in $dir (port $IDEM_SOAK_PORT, $("$PG_CONFIG" --version))"
+cluster_start "$dir" "$IDEM_SOAK_PORT" "${conf[@]}"
+cluster_env "$dir"
+rc=0
+"$PY" "$ROOT/bench/soak.py" --minutes "$MINUTES" --clients "$CLIENTS" --rate "$RATE" --out "$out" \
+	--server-log "$dir/server.log" || rc=$?
+cp "$dir/server.log" "$out/server.log"
+exit "$rc"
