@@ -1044,6 +1044,17 @@ token_call_args(FunctionCallInfo fcinfo, TokenCallKind kind, int key_arg,
 IDEM_NORETURN static void token_call_raise_dead(const TokenCall *call,
 												bool has_token, int32 attempt);
 
+/* A key's committed row version, as a token call judges it. */
+typedef struct TokenView
+{
+	bool		found;
+	TimestampTz expires_at;
+	IdemStatus	status;
+	bool		has_token;
+	int64		token;
+	int32		attempt;
+} TokenView;
+
 /*
  * Raise 55006: the call's token is not the key's current one ("has_token"
  * and "attempt" of the committed row).
@@ -1059,6 +1070,39 @@ token_call_raise_dead(const TokenCall *call, bool has_token, int32 attempt)
 			 errdetail("Attempt %d holds the key now.", attempt) :
 			 errdetail("The sweeper reset the key after its lease ended."),
 			 errhint("Another attempt took the claim over, or this token never held it: do not store this attempt's result.")));
+}
+
+/*
+ * Judge "call" by the key's committed row version "v": raise the documented
+ * error when the key is absent or past its retention (P0002), finished
+ * (55000), or held by another token (55006).  Returns true when the call's
+ * token is the key's current one, false for a finish repeated with the
+ * token that finished the key (the caller answers from the row).
+ */
+static bool
+token_call_judge(const TokenCall *call, const TokenView *v)
+{
+	if (!v->found || v->expires_at <= call->now)
+		ereport(ERROR,
+				(errcode(ERRCODE_NO_DATA_FOUND),
+				 errmsg("idempotency key %s does not exist",
+						idem_key_display(call->scope, call->key)),
+				 errdetail("It was never claimed, was released, or its retention has passed.")));
+	if (v->status != IDEM_PENDING)
+	{
+		if (call->kind == CALL_FINISH && v->has_token && v->token == call->token)
+			return false;
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency key %s is already finished",
+						idem_key_display(call->scope, call->key)),
+				 call->kind == CALL_FINISH ?
+				 errdetail("Another attempt stored its result.") :
+				 errdetail("Its status is \"%s\".", idem_status_names[v->status])));
+	}
+	if (!v->has_token || v->token != call->token)
+		token_call_raise_dead(call, v->has_token, v->attempt);
+	return true;
 }
 
 /*
@@ -1094,7 +1138,8 @@ token_call_begin(TokenCall *call)
 		(void) idem_key_lock(call->hash, true);
 		idem_row_probe(scope, key, IDEM_PROBE_LATEST, false, row);
 		if (!row->busy || row->locked || row->busy_token == 0 ||
-			row->busy_token != call->token)
+			row->busy_token != call->token ||
+			(row->busy_old && row->busy_old_status != IDEM_PENDING))
 			break;
 		idem_key_unlock(call->hash);
 		XactLockTableWait(row->busy_xid, NULL, NULL, XLTW_None);
@@ -1102,19 +1147,31 @@ token_call_begin(TokenCall *call)
 	}
 
 	/*
-	 * A token that the committed row does not hold is dead, whatever
-	 * another transaction is doing to the key right now.
+	 * What the committed row says is said whatever another transaction is
+	 * doing to the key right now: a dead token, a finished key and a key
+	 * past its retention get their own errors.  Only a call whose token is
+	 * current has to wait for that transaction's outcome (55P03).
 	 */
-	if (row->locked && row->found && row->status == IDEM_PENDING &&
-		row->expires_at > call->now &&
-		(!row->has_token || row->token != call->token))
-		token_call_raise_dead(call, row->has_token, row->attempt);
-	if (row->busy && row->busy_old && row->busy_old_status == IDEM_PENDING &&
-		row->busy_old_expires_at > call->now &&
-		(!row->busy_old_has_token || row->busy_old_token != call->token))
-		token_call_raise_dead(call, row->busy_old_has_token,
-							  row->busy_old_attempt);
+	if (row->locked && row->found)
+	{
+		TokenView	view = {true, row->expires_at, row->status,
+		row->has_token, row->token, row->attempt};
 
+		if (!token_call_judge(call, &view))
+			return false;
+	}
+	else if (row->busy && row->busy_old)
+	{
+		TokenView	view = {true, row->busy_old_expires_at, row->busy_old_status,
+		row->busy_old_has_token, row->busy_old_token, row->busy_old_attempt};
+
+		if (!token_call_judge(call, &view))
+		{
+			/* a finish repeated: answered from the committed row */
+			row->expires_at = row->busy_old_expires_at;
+			return false;
+		}
+	}
 	if (row->busy || row->locked)
 		ereport(ERROR,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
@@ -1130,27 +1187,13 @@ token_call_begin(TokenCall *call)
 				 row->locked ?
 				 errhint("Retry once that transaction has ended.") :
 				 errhint("If that transaction commits, this token is no longer current.")));
-	if (!row->found || row->expires_at <= call->now)
-		ereport(ERROR,
-				(errcode(ERRCODE_NO_DATA_FOUND),
-				 errmsg("idempotency key %s does not exist",
-						idem_key_display(scope, key)),
-				 errdetail("It was never claimed, was released, or its retention has passed.")));
-	if (row->status != IDEM_PENDING)
 	{
-		if (call->kind == CALL_FINISH && row->has_token &&
-			row->token == call->token)
+		TokenView	view = {row->found, row->expires_at, row->status,
+		row->has_token, row->token, row->attempt};
+
+		if (!token_call_judge(call, &view))
 			return false;
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idempotency key %s is already finished",
-						idem_key_display(scope, key)),
-				 call->kind == CALL_FINISH ?
-				 errdetail("Another attempt stored its result.") :
-				 errdetail("Its status is \"%s\".", idem_status_names[row->status])));
 	}
-	if (!row->has_token || row->token != call->token)
-		token_call_raise_dead(call, row->has_token, row->attempt);
 	idem_row_check_snapshot(row);
 	return true;
 }
