@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # scripts/soak.sh: ./run soak, a long mixed load with a verdict.
 #   scripts/soak.sh [--minutes N] [--clients N] [--rate OPS] [--keep]
+#                   [--no-build] [--out DIR]
 #
 # As root: installs what is missing (apt: the build's packages, gnuplot-nox,
 # python3-psycopg), builds the extension from a copy of this tree and installs
@@ -14,7 +15,9 @@
 # the server's log go to bench/out/soak/.  Exit status: bench/soak.py's (0
 # only when every check passed).  The cluster is stopped (by its data
 # directory) and the scratch directory removed at exit; --keep keeps that
-# directory (the cluster stopped).
+# directory (the cluster stopped).  --no-build runs against the extension
+# already installed in PG_CONFIG's PostgreSQL (./run test's short soak);
+# --out puts the samples, plot and log in DIR instead.
 #
 # Settings (environment): PG_CONFIG (default Debian's 15), IDEM_SOAK_PORT
 # (default 55470), IDEM_SOAK_MAKE_FLAGS (extra make variables of the build,
@@ -31,10 +34,11 @@ source "$ROOT/scripts/cluster.sh"
 # shellcheck source=scripts/setup.sh
 source "$ROOT/scripts/setup.sh"
 
-MINUTES=60 CLIENTS=8 RATE=600 KEEP=0 WORK=""
+MINUTES=60 CLIENTS=8 RATE=600 KEEP=0 BUILD=1 WORK=""
+out="$ROOT/bench/out/soak"
 
 usage() {
-	echo "usage: ./run soak [--minutes N] [--clients N] [--rate OPS] [--keep]" >&2
+	echo "usage: ./run soak [--minutes N] [--clients N] [--rate OPS] [--keep] [--no-build] [--out DIR]" >&2
 	exit 2
 }
 
@@ -50,6 +54,12 @@ while (($#)); do
 		shift 2
 		;;
 	--keep) KEEP=1 && shift ;;
+	--no-build) BUILD=0 && shift ;;
+	--out)
+		[[ -n ${2:-} ]] || usage
+		out=$2
+		shift 2
+		;;
 	*) usage ;;
 	esac
 done
@@ -76,11 +86,12 @@ chmod 755 "$WORK"
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-setup_copy_tree "$ROOT" "$WORK/src"
-read -ra SETUP_MAKE_FLAGS <<<"${IDEM_SOAK_MAKE_FLAGS:-}"
-setup_build_install "$WORK/src"
+if ((BUILD)); then
+	setup_copy_tree "$ROOT" "$WORK/src"
+	read -ra SETUP_MAKE_FLAGS <<<"${IDEM_SOAK_MAKE_FLAGS:-}"
+	setup_build_install "$WORK/src"
+fi
 
-out="$ROOT/bench/out/soak"
 mkdir -p "$out"
 dir="$WORK/cluster"
 mapfile -t conf < <("$PY" "$ROOT/bench/soak.py" --conf --minutes "$MINUTES")
