@@ -265,11 +265,13 @@ suite_tap() {
 	echo
 	echo "== TAP: $n files (prove, as $PG_OS_USER, $SUITE_JOBS at a time)"
 	rm -rf "$src/tmp_check" "$src/log" "$src"/.tap_*
-	local -a env files=("$@") done=()
+	local -a env files=("$@") done=() pids=()
 	mapfile -t env < <(suite_env)
 	for ((i = 0; i < n; i++)); do
-		while (($(jobs -pr | wc -l) >= SUITE_JOBS)); do
-			wait -n || true
+		# Only this pool's own jobs count and are waited for: the shell may
+		# run others (the background build of later PostgreSQL versions).
+		while (($(suite_running pids) >= SUITE_JOBS)); do
+			wait -n "${pids[@]}" || true
 			suite_tap_report "$src" files done
 		done
 		file=${files[i]}
@@ -285,9 +287,20 @@ suite_tap() {
 			fi
 			echo "$rc $((SECONDS - started))" >"$src/.tap_$i.rc"
 		) &
+		pids+=($!)
 	done
-	wait || true
+	wait "${pids[@]}" || true
 	suite_tap_report "$src" files done
+}
+
+# Print how many of the pids in the array named <pids> still run.
+suite_running() {
+	local -n _pids=$1
+	local pid count=0
+	for pid in "${_pids[@]}"; do
+		kill -0 "$pid" 2>/dev/null && count=$((count + 1))
+	done
+	echo "$count"
 }
 
 # Print and record every TAP file of <files> (an array name) that has ended
