@@ -390,15 +390,20 @@ result_init(FunctionCallInfo fcinfo)
  * later claim of the same transaction (or batch) knows a claim it holds
  * itself: a row this transaction wrote whose token is one of these.  A row
  * it wrote otherwise (an extend, a checkpoint, a plain UPDATE) holds some
- * other attempt's claim.  Kept in the transaction's memory, forgotten at
- * its end; a token of a subtransaction rolled back since is in no row.
+ * other attempt's claim.  Most transactions claim one key, so the first
+ * token is kept in a variable and a hash table (in the transaction's
+ * memory) is made only for a second one; both are forgotten when the
+ * transaction ends.  A token of a subtransaction rolled back since is in
+ * no row.
  */
+static int64 xact_first_token = 0;		/* 0: none yet (tokens start at 1) */
 static HTAB *xact_tokens = NULL;
 static bool xact_tokens_callback = false;
 
 static void
 xact_tokens_forget(XactEvent event, void *arg)
 {
+	xact_first_token = 0;
 	xact_tokens = NULL;
 }
 
@@ -406,32 +411,38 @@ xact_tokens_forget(XactEvent event, void *arg)
 static void
 xact_token_issued(int64 token)
 {
-	bool		found;
-
+	if (!xact_tokens_callback)
+	{
+		RegisterXactCallback(xact_tokens_forget, NULL);
+		xact_tokens_callback = true;
+	}
+	if (xact_first_token == 0)
+	{
+		xact_first_token = token;
+		return;
+	}
 	if (xact_tokens == NULL)
 	{
 		HASHCTL		ctl;
 
-		if (!xact_tokens_callback)
-		{
-			RegisterXactCallback(xact_tokens_forget, NULL);
-			xact_tokens_callback = true;
-		}
 		ctl.keysize = sizeof(int64);
 		ctl.entrysize = sizeof(int64);
 		ctl.hcxt = TopTransactionContext;
 		xact_tokens = hash_create("idempotency tokens of this transaction", 64,
 								  &ctl, HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 	}
-	(void) hash_search(xact_tokens, &token, HASH_ENTER, &found);
+	(void) hash_search(xact_tokens, &token, HASH_ENTER, NULL);
 }
 
 /* Does the current transaction hold the claim stored in "row"? */
 static bool
 claim_held_here(const IdemRow *row)
 {
-	return row->mine && row->has_token && xact_tokens != NULL &&
-		hash_search(xact_tokens, &row->token, HASH_FIND, NULL) != NULL;
+	if (!row->mine || !row->has_token || xact_first_token == 0)
+		return false;
+	return row->token == xact_first_token ||
+		(xact_tokens != NULL &&
+		 hash_search(xact_tokens, &row->token, HASH_FIND, NULL) != NULL);
 }
 
 /* Do two requests match?  NULL (no request) matches only NULL. */
