@@ -20,13 +20,8 @@ SELECT k, c.token FROM unnest(ARRAY['p1', 'p2', 'stale']) k,
                                                       ELSE '1 hour' END::interval) c;
 SELECT idempotency.idem_finish('f1', c.token, 200, '{"f": 1}', 'read-only') IS NOT NULL AS finished
   FROM idempotency.idem_claim('f1', scope => 'read-only') c;
-DO $$
-BEGIN
-	WHILE (SELECT lease_until >= clock_timestamp() FROM idempotency.keys
-	        WHERE scope = 'read-only' AND key = 'stale') LOOP
-		PERFORM pg_sleep(0.001);
-	END LOOP;
-END $$;
+SELECT count(*) AS waited FROM idempotency.keys k, pg_sleep_until(k.lease_until)
+ WHERE k.scope = 'read-only' AND k.key = 'stale';
 CREATE TABLE ro_before AS SELECT * FROM idempotency.keys WHERE scope = 'read-only';
 
 -- each call in its own READ ONLY transaction (by "how"), as "SQLSTATE"

@@ -24,13 +24,8 @@ BEGIN;
 UPDATE first_claim SET token = c.token
   FROM idempotency.idem_claim('b', scope => 'self', lease => '1 millisecond') c
  WHERE c.outcome = 'claimed' AND c.attempt = 1;
-DO $$
-BEGIN
-	WHILE (SELECT lease_until >= clock_timestamp() FROM idempotency.keys
-	        WHERE scope = 'self' AND key = 'b') LOOP
-		PERFORM pg_sleep(0.001);
-	END LOOP;
-END $$;
+SELECT count(*) AS waited FROM idempotency.keys k, pg_sleep_until(k.lease_until)
+ WHERE k.scope = 'self' AND k.key = 'b';
 SELECT outcome, token, attempt, retry_after
   FROM idempotency.idem_claim('b', scope => 'self');
 -- with a wait it answers at once too (it never waits for itself)

@@ -22,13 +22,8 @@ BEGIN RAISE EXCEPTION 'refused by an audit trigger'; END $$;
 SELECT idempotency.idem_finish('e1', c.token, 200, '{"n": 1}', 'sweep-errors',
        retention => '1 millisecond') IS NOT NULL AS finished
   FROM idempotency.idem_claim('e1', scope => 'sweep-errors') c;
-DO $$
-BEGIN
-	WHILE (SELECT expires_at >= clock_timestamp() FROM idempotency.keys
-	        WHERE scope = 'sweep-errors' AND key = 'e1') LOOP
-		PERFORM pg_sleep(0.001);
-	END LOOP;
-END $$;
+SELECT count(*) AS waited FROM idempotency.keys k, pg_sleep_until(k.expires_at)
+ WHERE k.scope = 'sweep-errors' AND k.key = 'e1';
 
 CREATE TRIGGER se_refuse BEFORE DELETE ON idempotency.keys
 	FOR EACH ROW EXECUTE FUNCTION se_refuse();

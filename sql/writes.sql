@@ -34,10 +34,8 @@ BEGIN
 	SELECT c.token INTO t_b FROM idempotency.idem_claim('b', NULL, p_scope, lease => '1 hour') c;
 	-- c's first claim (pg_temp.stale_claim) committed before, in a
 	-- transaction of its own: a transaction never takes over its own claim
-	WHILE (SELECT k.lease_until >= clock_timestamp() FROM idempotency.keys k
-	        WHERE k.scope = p_scope AND k.key = 'c') LOOP
-		PERFORM pg_sleep(0.001);
-	END LOOP;
+	PERFORM pg_sleep_until(k.lease_until) FROM idempotency.keys k
+	  WHERE k.scope = p_scope AND k.key = 'c';
 	SELECT c.token INTO t_c2 FROM idempotency.idem_claim('c', '{"n": 3}', p_scope, lease => '10 minutes') c;
 	PERFORM idempotency.idem_extend('b', t_b, '2 hours', p_scope);
 	PERFORM idempotency.idem_finish('a', t_a, 201, '{"id": 1}', p_scope);
