@@ -1,9 +1,13 @@
 --
 -- read_only.sql: in a READ ONLY transaction (SET TRANSACTION READ ONLY, or
 -- default_transaction_read_only = on) every function but idem_lookup and
--- the stats view raises read_only_sql_transaction (25006) before it reads
+-- the stats views raises read_only_sql_transaction (25006) before it reads
 -- anything, on both write paths (the direct writer, and the SQL statements
--- used when a trigger is on the table), and no stored row changes.
+-- used when a trigger is on the table), and no stored row changes.  The
+-- administrator's functions that write (bind_scope, unbind_scope,
+-- distribute) are refused the same way; stats_reset, which only zeroes
+-- this server's counters in shared memory, and idem_version answer, as
+-- pg_stat_reset and version() do.
 --
 -- Counts are exact only while nobody else sweeps this database: run with
 -- the background sweeper off (idempotency.sweep_interval = 0).
@@ -51,7 +55,16 @@ INSERT INTO ro_calls VALUES
  (12, $$SELECT idempotency.idem_checkpoint('p1', (SELECT token FROM ro_tokens WHERE key = 'p1'), 'step', '{}', 'read-only')$$),
  (13, $$SELECT * FROM idempotency.idem_sweep()$$),
  (14, $$SELECT * FROM idempotency.idem_lookup('f1', 'read-only')$$),
- (15, $$SELECT * FROM idempotency.stats$$);
+ (15, $$SELECT * FROM idempotency.stats$$),
+ (16, $$SELECT idempotency.bind_scope('regress_read_only', 'ro:')$$),
+ (17, $$SELECT idempotency.unbind_scope('regress_read_only')$$),
+ (18, $$SELECT idempotency.distribute()$$),
+ (19, $$SELECT * FROM idempotency.cluster_stats$$),
+ (20, $$SELECT idempotency.stats_reset()$$),
+ (21, $$SELECT idempotency.idem_version()$$);
+CREATE ROLE regress_read_only;
+SELECT idempotency.bind_scope('regress_read_only', 'ro-before:');
+CREATE TABLE ro_bindings_before AS SELECT * FROM idempotency.scope_bindings;
 
 -- a temporary table takes the results: it is writable in a read-only
 -- transaction
@@ -90,9 +103,17 @@ SELECT count(*) AS changed FROM (
 	UNION ALL
 	(SELECT * FROM idempotency.keys WHERE scope = 'read-only' EXCEPT SELECT * FROM ro_before)) d;
 
--- outside a read-only transaction the same calls go through
-SELECT n, pg_temp.try(call) AS result FROM ro_calls WHERE n IN (1, 13) ORDER BY n;
+SELECT count(*) AS bindings_changed FROM (
+	(SELECT * FROM ro_bindings_before EXCEPT SELECT * FROM idempotency.scope_bindings)
+	UNION ALL
+	(SELECT * FROM idempotency.scope_bindings EXCEPT SELECT * FROM ro_bindings_before)) d;
 
-DROP TABLE ro_tokens, ro_before, ro_calls;
+-- outside a read-only transaction the same calls go through (distribute()
+-- then says what it lacks: Citus)
+SELECT n, pg_temp.try(call) AS result FROM ro_calls WHERE n IN (1, 13, 16, 17, 18) ORDER BY n;
+
+SELECT idempotency.unbind_scope('regress_read_only');
+DROP ROLE regress_read_only;
+DROP TABLE ro_tokens, ro_before, ro_calls, ro_bindings_before;
 DROP FUNCTION ro_noop();
 DELETE FROM idempotency.keys WHERE scope = 'read-only';

@@ -3,6 +3,6 @@
 -- the extension version that CREATE EXTENSION installs with it
 --
 SELECT idempotency.idem_version();
-SELECT idempotency.idem_version() = '1.5.1' AS is_1_5_1;
+SELECT idempotency.idem_version() = '1.6.0' AS is_1_6_0;
 SELECT starts_with(idempotency.idem_version(), extversion || '.') AS starts_with_extversion
   FROM pg_extension WHERE extname = 'idempotency';

@@ -118,8 +118,10 @@ $md5{failed} = body_md5($node, 'postgres', $failed_body);
 sql('postgres', 'CREATE DATABASE fresh');
 sql('fresh', "CREATE EXTENSION idempotency VERSION '1.5'");
 is(ext_version('fresh'), '1.5', 'fresh: 1.5 is installed');
-is(sql('fresh', 'SELECT idempotency.idem_version()'), '1.5.1',
-	'fresh: the loaded library is 1.5.1');
+is( sql('fresh',
+		    "SELECT starts_with(idempotency.idem_version(), default_version || '.') "
+		  . "FROM pg_available_extensions WHERE name = 'idempotency'"),
+	't', 'fresh: the loaded library is the newest version, which serves 1.5');
 my %catalog = catalog_queries();
 my %fresh;
 $fresh{$_} = sql('fresh', $catalog{$_}) foreach keys %catalog;

@@ -11,8 +11,8 @@ SELECT plan(191);
 SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
 SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
           'the extension is not relocatable');
-SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.5',
-          'extension version 1.5');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.6',
+          'extension version 1.6');
 SELECT has_schema('idempotency');
 
 -- the table
@@ -374,7 +374,7 @@ SELECT throws_ok('SELECT idempotency.distribute()', '55000',
 SELECT results_eq($$SELECT node, database FROM idempotency.cluster_stats$$,
                   $$VALUES ('local'::text, current_database())$$,
                   'cluster_stats without Citus: one row, node local, this database');
-SELECT is(idempotency.idem_version(), '1.5.1', 'idem_version() names the loaded library, 1.5.1');
+SELECT is(idempotency.idem_version(), '1.6.0', 'idem_version() names the loaded library, 1.6.0');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
