@@ -266,8 +266,24 @@ sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 
 	installed = sweeper_extension_installed();
 	if (installed)
+	{
+		/*
+		 * A database made read-only (default_transaction_read_only set for
+		 * it, or for every database) is not swept: deleting and resetting
+		 * keys is a write its users are refused too.  The direct write path
+		 * would not notice, so the check is made here, as every client
+		 * function makes it; the failure is logged once and the database
+		 * is swept again once it is writable.
+		 */
+		if (XactReadOnly)
+			ereport(ERROR,
+					(errcode(ERRCODE_READ_ONLY_SQL_TRANSACTION),
+					 errmsg("cannot sweep a database whose transactions are read-only"),
+					 errdetail("default_transaction_read_only is on for this database."),
+					 errhint("Keys past their retention stay until it is off; the worker then sweeps them.")));
 		*more = idem_sweep_batch_run(batch, SWEEPER_MAX_FETCHES,
 									 &sessions_seen, expired, reset);
+	}
 
 	PopActiveSnapshot();
 	CommitTransactionCommand();

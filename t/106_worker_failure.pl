@@ -5,7 +5,10 @@
 #  - fail1: a BEFORE DELETE trigger on idempotency.keys raises (an audit
 #    trigger whose log is full), so every sweep there fails;
 #  - fail2: the table was renamed, so the sweeper finds the extension's
-#    table missing.
+#    table missing;
+#  - fail3: the database is read-only (default_transaction_read_only set
+#    for it), so the sweeper refuses to write there (25006), as the client
+#    functions do, and leaves every key in place.
 # Each failure is logged once per database and cause (not once per attempt,
 # although the launcher tries again several times): the sweeper logs the
 # whole error as a WARNING (SQLSTATE, message, the context it was raised in,
@@ -70,7 +73,7 @@ sub sweeper_reports
 	return grep { /WARNING:/ && /idempotency sweeper in database "$db"/ } @entries;
 }
 
-for my $db (qw(healthy fail1 fail2))
+for my $db (qw(healthy fail1 fail2 fail3))
 {
 	sql('postgres', "CREATE DATABASE $db");
 	sql($db, 'CREATE EXTENSION idempotency');
@@ -93,11 +96,22 @@ is( sql('fail2',
 		  . "COMMIT;"),
 	'3', 'fail2: 3 keys past retention soon');
 
+# fail3: made read-only in the transaction that makes its keys.
+is( sql('fail3',
+		    "BEGIN;\n"
+		  . "SELECT count(*) FROM (SELECT idempotency.idem_finish('k-' || i, c.token, 200) "
+		  . "FROM generate_series(1, 3) AS i, "
+		  . "LATERAL idempotency.idem_claim('k-' || i, lease => '1 second', "
+		  . "retention => '1 second') AS c) AS f;\n"
+		  . "ALTER DATABASE fail3 SET default_transaction_read_only = on;\n"
+		  . "COMMIT;"),
+	'3', 'fail3: 3 keys past retention soon, the database read-only');
+
 # Each failed visit rolls back one transaction in its database (nobody
 # else uses fail1 and fail2 while we wait).
-my %rb = map { $_ => stat_of($_, 'xact_rollback') } qw(fail1 fail2);
+my %rb = map { $_ => stat_of($_, 'xact_rollback') } qw(fail1 fail2 fail3);
 my $healthy_commits = stat_of('healthy', 'xact_commit');
-for my $db (qw(fail1 fail2))
+for my $db (qw(fail1 fail2 fail3))
 {
 	ok( $node->poll_query_until(
 			'postgres',
@@ -123,6 +137,11 @@ is(scalar(@l2), 1, 'fail2: exactly one log line for its failure');
 like($l2[0] // '',
 	qr/idempotency sweep of database "fail2" failed: .*(not installed|does not exist)/,
 	'fail2: the line says the table is missing');
+my @l3 = log_lines('fail3');
+is(scalar(@l3), 1, 'fail3: exactly one log line for its failure');
+like($l3[0] // '',
+	qr/idempotency sweep of database "fail3" failed: cannot sweep a database whose transactions are read-only/,
+	'fail3: the line says the database is read-only');
 is(scalar(log_lines('healthy')), 0, 'healthy: nothing logged');
 
 # The sweeper logged each error once, in full.
@@ -138,9 +157,17 @@ like($r2[0] // '', qr/WARNING:\s+42704: extension "idempotency" is not installed
 	'fail2: ... with its SQLSTATE and message');
 like($r2[0] // '', qr/HINT:\s+Run CREATE EXTENSION idempotency/,
 	'fail2: ... and its hint');
+my @r3 = sweeper_reports('fail3');
+is(scalar(@r3), 1, 'fail3: the sweeper logged its error once');
+like($r3[0] // '', qr/WARNING:\s+25006: cannot sweep a database whose transactions are read-only/,
+	'fail3: ... with its SQLSTATE and message');
+like($r3[0] // '', qr/HINT:\s+Keys past their retention stay until it is off/,
+	'fail3: ... and its hint');
 is(scalar(sweeper_reports('healthy')), 0, 'healthy: no sweeper error');
 is( sql('fail1', "SELECT count(*) FROM idempotency.keys"),
 	'3', 'fail1: the failed sweeps left every key in place');
+is( sql('fail3', "SELECT count(*) FROM idempotency.keys"),
+	'3', 'fail3: the refused sweeps left every key in place');
 
 # One database cannot stop the others: healthy is swept all along.
 is(expiring_keys($node, 'healthy', 'k', 3), '3', 'healthy: 3 keys past retention soon');
@@ -152,7 +179,8 @@ ok( $node->poll_query_until(
 
 sql('fail1', 'DROP TRIGGER audit_key_delete ON idempotency.keys');
 sql('fail2', 'ALTER TABLE idempotency.keys_old RENAME TO keys');
-for my $db (qw(fail1 fail2))
+sql('postgres', 'ALTER DATABASE fail3 RESET default_transaction_read_only');
+for my $db (qw(fail1 fail2 fail3))
 {
 	ok( $node->poll_query_until(
 			$db, "SELECT count(*) = 0 FROM idempotency.keys"),
@@ -162,7 +190,7 @@ for my $db (qw(fail1 fail2))
 			  . "WHERE database = current_database()"),
 		'3|t', "$db: the stats count its 3 expired keys");
 }
-for my $db (qw(fail1 fail2))
+for my $db (qw(fail1 fail2 fail3))
 {
 	$node->wait_for_log(qr/idempotency sweep of database "$db" works again/);
 	my @lines = log_lines($db);
