@@ -48,24 +48,24 @@
 
 #include "store.h"
 
-const KeysColumnDef idem_keys_columns[NUM_COLS] = {
-	[COL_SCOPE - 1] = {"scope", TEXTOID, true},
-	[COL_KEY - 1] = {"key", TEXTOID, true},
-	[COL_STATUS - 1] = {"status", TEXTOID, true},
-	[COL_TOKEN - 1] = {"token", INT8OID},
-	[COL_ATTEMPT - 1] = {"attempt", INT4OID, true},
-	[COL_FINGERPRINT - 1] = {"fingerprint", BYTEAOID},
-	[COL_RESPONSE_CODE - 1] = {"response_code", INT4OID},
-	[COL_RESPONSE_BODY - 1] = {"response_body", JSONBOID},
-	[COL_CREATED_AT - 1] = {"created_at", TIMESTAMPTZOID, true},
-	[COL_FINISHED_AT - 1] = {"finished_at", TIMESTAMPTZOID},
-	[COL_LEASE_UNTIL - 1] = {"lease_until", TIMESTAMPTZOID},
-	[COL_EXPIRES_AT - 1] = {"expires_at", TIMESTAMPTZOID, true},
-	[COL_RETENTION - 1] = {"retention", INTERVALOID, true},
-	[COL_SWEEP_AT - 1] = {"sweep_at", TIMESTAMPTZOID, true},
-	[COL_PHASE - 1] = {"phase", TEXTOID},
-	[COL_PHASE_DATA - 1] = {"phase_data", JSONBOID},
-	[COL_OWNER_SESSION - 1] = {"owner_session", INT8OID},
+const KeysColumnDef idem_keys_columns[KEYS_NCOLS] = {
+	[KEYS_COL_SCOPE - 1] = {"scope", TEXTOID, true},
+	[KEYS_COL_KEY - 1] = {"key", TEXTOID, true},
+	[KEYS_COL_STATUS - 1] = {"status", TEXTOID, true},
+	[KEYS_COL_TOKEN - 1] = {"token", INT8OID},
+	[KEYS_COL_ATTEMPT - 1] = {"attempt", INT4OID, true},
+	[KEYS_COL_FINGERPRINT - 1] = {"fingerprint", BYTEAOID},
+	[KEYS_COL_RESPONSE_CODE - 1] = {"response_code", INT4OID},
+	[KEYS_COL_RESPONSE_BODY - 1] = {"response_body", JSONBOID},
+	[KEYS_COL_CREATED_AT - 1] = {"created_at", TIMESTAMPTZOID, true},
+	[KEYS_COL_FINISHED_AT - 1] = {"finished_at", TIMESTAMPTZOID},
+	[KEYS_COL_LEASE_UNTIL - 1] = {"lease_until", TIMESTAMPTZOID},
+	[KEYS_COL_EXPIRES_AT - 1] = {"expires_at", TIMESTAMPTZOID, true},
+	[KEYS_COL_RETENTION - 1] = {"retention", INTERVALOID, true},
+	[KEYS_COL_SWEEP_AT - 1] = {"sweep_at", TIMESTAMPTZOID, true},
+	[KEYS_COL_PHASE - 1] = {"phase", TEXTOID},
+	[KEYS_COL_PHASE_DATA - 1] = {"phase_data", JSONBOID},
+	[KEYS_COL_OWNER_SESSION - 1] = {"owner_session", INT8OID},
 };
 
 /* The cache, valid until an invalidation of one of its relations. */
@@ -182,7 +182,7 @@ catalog_refuse_not_installed(void)
 
 /*
  * The columns the store reads and writes by number, with their types: those
- * of 1.4, or the first NUM_COLS_1_0 of them (an installation not updated
+ * of 1.4, or the first KEYS_NCOLS_1_0 of them (an installation not updated
  * yet).  Returns how many the table has.
  */
 static int
@@ -192,7 +192,7 @@ catalog_check_columns(Relation heap)
 	char	   *what = psprintf("table \"idempotency.%s\"",
 								RelationGetRelationName(heap));
 
-	if (desc->natts != NUM_COLS && desc->natts != NUM_COLS_1_0)
+	if (desc->natts != KEYS_NCOLS && desc->natts != KEYS_NCOLS_1_0)
 		idem_catalog_refuse_replaced(what);
 	for (int i = 0; i < desc->natts; i++)
 	{
@@ -312,16 +312,16 @@ catalog_check_store(IdemCatalog *found, const char *suffix)
 	found->ncols = catalog_check_columns(heap);
 	found->owner = heap->rd_rel->relowner;
 	table_close(heap, NoLock);
-	catalog_check_index(found->pkey, found->keys, 2, COL_SCOPE, COL_KEY,
+	catalog_check_index(found->pkey, found->keys, 2, KEYS_COL_SCOPE, KEYS_COL_KEY,
 						false);
-	catalog_check_index(found->sweep_idx, found->keys, 1, COL_SWEEP_AT, 0,
+	catalog_check_index(found->sweep_idx, found->keys, 1, KEYS_COL_SWEEP_AT, 0,
 						false);
-	if (found->ncols >= COL_OWNER_SESSION)
+	if (found->ncols >= KEYS_COL_OWNER_SESSION)
 	{
 		found->session_idx = catalog_lock_index("keys_owner_session_idx",
 												suffix);
 		catalog_check_index(found->session_idx, found->keys, 1,
-							COL_OWNER_SESSION, 0, true);
+							KEYS_COL_OWNER_SESSION, 0, true);
 	}
 }
 

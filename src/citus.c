@@ -54,23 +54,17 @@ static CitusShared *citus_shared = NULL;
 /* Without shared memory (not preloaded): this backend's own floor. */
 static uint64 backend_token_floor = 0;
 
-void
-idem_citus_shmem_request(void)
+static void
+citus_shmem_attach(void *mem, bool found)
 {
-	RequestAddinShmemSpace(sizeof(CitusShared));
-}
-
-/* Called with AddinShmemInitLock. */
-void
-idem_citus_shmem_startup(void)
-{
-	bool		found;
-
-	citus_shared = ShmemInitStruct("idempotency citus", sizeof(CitusShared),
-								   &found);
+	citus_shared = (CitusShared *) mem;
 	if (!found)
 		pg_atomic_init_u64(&citus_shared->token_floor, 0);
 }
+
+const IdemShmemPart idem_citus_shmem = {
+	"idempotency citus", sizeof(CitusShared), NULL, citus_shmem_attach
+};
 
 /*
  * The rows of a read-only query on Citus's metadata with one oid

@@ -180,7 +180,7 @@ idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
 
 	ResetPerTupleExprContext(direct->estate);
 	ExecClearTuple(slot);
-	/* the table's columns: NUM_COLS, or fewer before an update (store.h) */
+	/* the table's columns: KEYS_NCOLS, or fewer before an update (store.h) */
 	memcpy(slot->tts_values, values,
 		   sizeof(Datum) * slot->tts_tupleDescriptor->natts);
 	memcpy(slot->tts_isnull, nulls,
@@ -192,7 +192,7 @@ idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
 }
 
 /*
- * Update the row version at "tid": the columns in "columns" (COLUMN bits)
+ * Update the row version at "tid": the columns in "columns" (KEYS_COL_BIT bits)
  * get the new values, the others keep theirs.  With "wait", a row being changed by
  * another transaction is waited for, as the SQL statement would.
  */
@@ -221,7 +221,7 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 	ExecClearTuple(slot);
 	for (int i = 0; i < slot->tts_tupleDescriptor->natts; i++)
 	{
-		bool		set = (columns & COLUMN(i + 1)) != 0;
+		bool		set = (columns & KEYS_COL_BIT(i + 1)) != 0;
 
 		slot->tts_values[i] = set ? values[i] : old->tts_values[i];
 		slot->tts_isnull[i] = set ? nulls[i] : old->tts_isnull[i];

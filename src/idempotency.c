@@ -3,8 +3,10 @@
  * idempotency.c
  *	  Module entry point of the idempotency extension.
  *
- * Owns _PG_init, the shared-memory hooks and idem_version(), and nothing
- * else: each part initialises itself through its *_init function.
+ * Owns _PG_init, the shared-memory registry (every part's shared memory,
+ * requested and created by one pair of hooks) and idem_version(), and
+ * nothing else: each part initialises itself through its *_init function
+ * and describes its shared memory with an IdemShmemPart.
  * Settings and the transaction callbacks exist with or without preloading;
  * shared memory and the background worker only when the library is listed
  * in shared_preload_libraries.
@@ -31,18 +33,33 @@ static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 
 void		_PG_init(void);
 
+/*
+ * The parts that keep state in shared memory.  Each is sized, created and
+ * attached here, in this order, so no part repeats the hooks.
+ */
+static const IdemShmemPart *const shmem_parts[] = {
+	&idem_wait_shmem,
+	&idem_key_shmem,
+	&idem_stats_shmem,
+	&idem_worker_shmem,
+	&idem_session_shmem,
+	&idem_citus_shmem,
+};
+
+static Size
+shmem_part_size(const IdemShmemPart *part)
+{
+	return part->size_fn != NULL ? part->size_fn() : part->size;
+}
+
 /* Ask for the shared memory of every part. */
 static void
 idem_shmem_request(void)
 {
 	if (prev_shmem_request_hook)
 		prev_shmem_request_hook();
-	idem_wait_shmem_request();
-	idem_key_shmem_request();
-	idem_stats_shmem_request();
-	idem_worker_shmem_request();
-	idem_session_shmem_request();
-	idem_citus_shmem_request();
+	for (int i = 0; i < lengthof(shmem_parts); i++)
+		RequestAddinShmemSpace(shmem_part_size(shmem_parts[i]));
 }
 
 /* Create or attach the shared memory of every part. */
@@ -52,12 +69,15 @@ idem_shmem_startup(void)
 	if (prev_shmem_startup_hook)
 		prev_shmem_startup_hook();
 	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
-	idem_wait_shmem_startup();
-	idem_key_shmem_startup();
-	idem_stats_shmem_startup();
-	idem_worker_shmem_startup();
-	idem_session_shmem_startup();
-	idem_citus_shmem_startup();
+	for (int i = 0; i < lengthof(shmem_parts); i++)
+	{
+		const IdemShmemPart *part = shmem_parts[i];
+		bool		found;
+		void	   *mem = ShmemInitStruct(part->name, shmem_part_size(part),
+											  &found);
+
+		part->attach(mem, found);
+	}
 	LWLockRelease(AddinShmemInitLock);
 }
 

@@ -3,34 +3,40 @@
  * idempotency.h
  *	  Declarations shared by the parts of the idempotency extension.
  *
- * The parts, one file each:
+ * Each .c file includes postgres.h first, then this.  Its sections, in
+ * order, declare what each part offers the others:
  *	  idempotency.c  module entry point: _PG_init calls each part's init;
- *	                 idem_version()
+ *	                 the shared-memory registry; idem_version()
+ *	  (statuses)     a key's status and its SQL name
  *	  guc.c          the idempotency.* settings
+ *	  pause.c        pause points for isolation tests (test builds only)
  *	  fingerprint.c  SHA-256 request fingerprints and lock hashes
- *	  catalog.c      the key store's relations, found and checked
  *	  row.c          reading keys: the index probe, fetches, the sweep's scan
+ *	  catalog.c      the key store's relations, found and checked
  *	  write.c        every change to a key, by one table of write rules;
  *	                 the fencing token sequence
- *	  direct.c       the table-AM writer behind write.c (store.h)
  *	  keylock.c      the per-key advisory lock and the write counters
- *	  session.c      session-bound claims: this session's binding, the
- *	                 liveness of others', the wake-up when one ends
  *	  wait.c         waiting for an in-flight attempt: shared-memory
  *	                 waiter slots and the wake-up at commit or abort
- *	  stats.c        the idempotency.stats view: shared-memory counters, key counts
- *	  worker.c       the background sweeper (launcher + per-database worker)
- *	  sweep.c        one sweep batch, shared by idem_sweep() and the worker
+ *	  session.c      session-bound claims: this session's binding, the
+ *	                 liveness of others', the wake-up when one ends
+ *	  citus.c        running on Citus: shards, tokens, sweeping every node
+ *	  stats.c        the idempotency.stats view: shared-memory counters,
+ *	                 key counts
  *	  tenant.c       scope bindings: which scopes a role may use
- *	  api.c          the SQL-callable functions
- *	  pause.c        pause points for isolation tests (test builds only)
+ *	  sweep.c        one sweep batch, shared by the worker and idem_sweep()
+ *	  worker.c       the background sweeper (launcher + per-database worker)
+ *
+ * Declared elsewhere: args.h (args.c, reading the SQL arguments), store.h
+ * (direct.c, the table-AM writer, and what catalog.c and write.c share).
+ * The SQL functions live in claim.c (idem_claim, idem_claim_many),
+ * holder.c (the calls that present a token), lookup.c (idem_lookup) and
+ * sweep.c (idem_sweep); they declare nothing.
  *
  *-------------------------------------------------------------------------
  */
 #ifndef IDEMPOTENCY_H
 #define IDEMPOTENCY_H
-
-#include "postgres.h"
 
 #include "datatype/timestamp.h"
 #include "storage/itemptr.h"
@@ -49,6 +55,24 @@
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255
 #define IDEM_FINGERPRINT_LEN	32	/* SHA-256 */
+
+/* ---- idempotency.c ---- */
+
+/*
+ * A part's shared memory, created once at server start by the registry in
+ * idempotency.c: its name (ShmemInitStruct's key), its size, and how the
+ * part keeps its address and, the first time ("found" false), fills it in.
+ * A part defines one of these; the registry lists it.
+ */
+typedef struct IdemShmemPart
+{
+	const char *name;
+	Size		size;			/* fixed size, or 0: ask size_fn */
+	Size		(*size_fn) (void);	/* a size that depends on settings */
+	void		(*attach) (void *mem, bool found);
+} IdemShmemPart;
+
+/* ---- statuses (names in row.c) ---- */
 
 /* Status of a stored key, as kept in idempotency.keys.status. */
 typedef enum IdemStatus
@@ -71,6 +95,8 @@ extern int	idem_max_response_size;
 extern int	idem_sweep_interval_ms;
 extern int	idem_stats_exact_limit;
 extern void idem_guc_init(void);
+
+/* ---- pause.c ---- */
 
 /*
  * Pause points, only in test builds (make IDEM_TEST_PAUSES=1): a session
@@ -251,8 +277,7 @@ extern int	idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items,
 							 int n);
 
 /* ---- keylock.c ---- */
-extern void idem_key_shmem_request(void);
-extern void idem_key_shmem_startup(void);
+extern const IdemShmemPart idem_key_shmem;
 extern bool idem_key_lock(uint64 hash, bool wait);
 extern void idem_key_unlock(uint64 hash);
 extern void idem_key_wrote(uint64 hash);
@@ -272,8 +297,7 @@ typedef struct IdemWaitRegistration
 	uint64		outer_hash;		/* the outer claim's key, when nested */
 } IdemWaitRegistration;
 
-extern void idem_wait_shmem_request(void);
-extern void idem_wait_shmem_startup(void);
+extern const IdemShmemPart idem_wait_shmem;
 extern void idem_wait_init(void);
 extern void idem_wait_register(uint64 hash, IdemWaitRegistration *reg);
 extern void idem_wait_unregister(const IdemWaitRegistration *reg);
@@ -281,15 +305,15 @@ extern void idem_wait_remember(uint64 hash);
 extern void idem_wait_wake_all(void);
 
 /* ---- session.c ---- */
-extern void idem_citus_sweep_workers(int batch, int64 *expired,
-									 int64 *reset);
-extern void idem_citus_shmem_request(void);
-extern void idem_citus_shmem_startup(void);
-extern void idem_session_shmem_request(void);
-extern void idem_session_shmem_startup(void);
+extern const IdemShmemPart idem_session_shmem;
 extern int64 idem_session_bind(void);
 extern bool idem_session_alive(int64 session);
 extern uint64 idem_session_ends(void);
+
+/* ---- citus.c (the rest of it, for catalog.c and write.c: store.h) ---- */
+extern const IdemShmemPart idem_citus_shmem;
+extern void idem_citus_sweep_workers(int batch, int64 *expired,
+									 int64 *reset);
 
 /* ---- stats.c ---- */
 
@@ -313,8 +337,7 @@ typedef enum IdemCounter
 	IDEM_STAT_NCOUNTERS
 } IdemCounter;
 
-extern void idem_stats_shmem_request(void);
-extern void idem_stats_shmem_startup(void);
+extern const IdemShmemPart idem_stats_shmem;
 extern void idem_stats_count(IdemCounter counter, int64 n);
 extern void idem_stats_sweep_done(TimestampTz at, double ms);
 
@@ -328,7 +351,6 @@ extern bool idem_sweep_batch_run(int batch, int max_fetches,
 
 /* ---- worker.c ---- */
 extern void idem_worker_init(void);
-extern void idem_worker_shmem_request(void);
-extern void idem_worker_shmem_startup(void);
+extern const IdemShmemPart idem_worker_shmem;
 
 #endif							/* IDEMPOTENCY_H */

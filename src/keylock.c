@@ -46,25 +46,18 @@ typedef struct KeylockShared
 
 static KeylockShared *keylock_shared = NULL;
 
-/* Reserve our shared memory (called from the shmem request hook). */
-void
-idem_key_shmem_request(void)
+static void
+keylock_shmem_attach(void *mem, bool found)
 {
-	RequestAddinShmemSpace(sizeof(KeylockShared));
-}
-
-/* Create or attach our shared memory (called with AddinShmemInitLock). */
-void
-idem_key_shmem_startup(void)
-{
-	bool		found;
-
-	keylock_shared = ShmemInitStruct("idempotency write counters",
-									 sizeof(KeylockShared), &found);
+	keylock_shared = (KeylockShared *) mem;
 	if (!found)
 		for (int i = 0; i < KEYLOCK_WRITE_COUNTERS; i++)
 			pg_atomic_init_u64(&keylock_shared->writes[i], 0);
 }
+
+const IdemShmemPart idem_key_shmem = {
+	"idempotency write counters", sizeof(KeylockShared), NULL, keylock_shmem_attach
+};
 
 /* Fill the advisory lock tag of a key hash. */
 static void

@@ -85,16 +85,16 @@ row_check_not_null(TupleTableSlot *slot)
 {
 	bool	   *n = slot->tts_isnull;
 
-	for (int i = 0; i < NUM_COLS_1_0; i++)
+	for (int i = 0; i < KEYS_NCOLS_1_0; i++)
 	{
 		if (!idem_keys_columns[i].not_null || !n[i])
 			continue;
 		ereport(ERROR,
 				(errcode(ERRCODE_DATA_CORRUPTED),
 				 errmsg("idempotency key %s has no value in column \"%s\"",
-						(n[COL_SCOPE - 1] || n[COL_KEY - 1]) ? "(unknown)" :
-						idem_key_display(DatumGetTextPP(slot->tts_values[COL_SCOPE - 1]),
-										 DatumGetTextPP(slot->tts_values[COL_KEY - 1])),
+						(n[KEYS_COL_SCOPE - 1] || n[KEYS_COL_KEY - 1]) ? "(unknown)" :
+						idem_key_display(DatumGetTextPP(slot->tts_values[KEYS_COL_SCOPE - 1]),
+										 DatumGetTextPP(slot->tts_values[KEYS_COL_KEY - 1])),
 						idem_keys_columns[i].name),
 				 errhint("Someone changed idempotency.keys outside the extension's functions.")));
 	}
@@ -116,7 +116,7 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 	v = slot->tts_values;
 	n = slot->tts_isnull;
 
-	status = DatumGetTextPP(v[COL_STATUS - 1]);
+	status = DatumGetTextPP(v[KEYS_COL_STATUS - 1]);
 	if (!idem_status_parse(VARDATA_ANY(status), VARSIZE_ANY_EXHDR(status),
 						   &row->status))
 		ereport(ERROR,
@@ -124,13 +124,13 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 				 errmsg("idempotency key has an unknown status \"%s\"",
 						text_to_cstring(status)),
 				 errhint("Someone changed idempotency.keys outside the extension's functions.")));
-	row->has_token = !n[COL_TOKEN - 1];
-	row->token = row->has_token ? DatumGetInt64(v[COL_TOKEN - 1]) : 0;
-	row->attempt = DatumGetInt32(v[COL_ATTEMPT - 1]);
-	row->has_fingerprint = !n[COL_FINGERPRINT - 1];
+	row->has_token = !n[KEYS_COL_TOKEN - 1];
+	row->token = row->has_token ? DatumGetInt64(v[KEYS_COL_TOKEN - 1]) : 0;
+	row->attempt = DatumGetInt32(v[KEYS_COL_ATTEMPT - 1]);
+	row->has_fingerprint = !n[KEYS_COL_FINGERPRINT - 1];
 	if (row->has_fingerprint)
 	{
-		bytea	   *fp = DatumGetByteaPP(v[COL_FINGERPRINT - 1]);
+		bytea	   *fp = DatumGetByteaPP(v[KEYS_COL_FINGERPRINT - 1]);
 
 		if (VARSIZE_ANY_EXHDR(fp) != IDEM_FINGERPRINT_LEN)
 			ereport(ERROR,
@@ -140,32 +140,32 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 					 errhint("Someone changed idempotency.keys outside the extension's functions.")));
 		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
 	}
-	row->has_response_code = !n[COL_RESPONSE_CODE - 1];
+	row->has_response_code = !n[KEYS_COL_RESPONSE_CODE - 1];
 	row->response_code = row->has_response_code ?
-		DatumGetInt32(v[COL_RESPONSE_CODE - 1]) : 0;
+		DatumGetInt32(v[KEYS_COL_RESPONSE_CODE - 1]) : 0;
 	/* Keep the body as stored (possibly a TOAST pointer): cheap to copy. */
-	row->response_body = (want_body && !n[COL_RESPONSE_BODY - 1]) ?
-		datumCopy(v[COL_RESPONSE_BODY - 1], false, -1) : (Datum) 0;
-	row->created_at = DatumGetTimestampTz(v[COL_CREATED_AT - 1]);
-	row->has_finished_at = !n[COL_FINISHED_AT - 1];
+	row->response_body = (want_body && !n[KEYS_COL_RESPONSE_BODY - 1]) ?
+		datumCopy(v[KEYS_COL_RESPONSE_BODY - 1], false, -1) : (Datum) 0;
+	row->created_at = DatumGetTimestampTz(v[KEYS_COL_CREATED_AT - 1]);
+	row->has_finished_at = !n[KEYS_COL_FINISHED_AT - 1];
 	row->finished_at = row->has_finished_at ?
-		DatumGetTimestampTz(v[COL_FINISHED_AT - 1]) : 0;
-	row->has_lease_until = !n[COL_LEASE_UNTIL - 1];
+		DatumGetTimestampTz(v[KEYS_COL_FINISHED_AT - 1]) : 0;
+	row->has_lease_until = !n[KEYS_COL_LEASE_UNTIL - 1];
 	row->lease_until = row->has_lease_until ?
-		DatumGetTimestampTz(v[COL_LEASE_UNTIL - 1]) : 0;
-	row->expires_at = DatumGetTimestampTz(v[COL_EXPIRES_AT - 1]);
-	row->sweep_at = DatumGetTimestampTz(v[COL_SWEEP_AT - 1]);
-	memcpy(&row->retention, DatumGetIntervalP(v[COL_RETENTION - 1]),
+		DatumGetTimestampTz(v[KEYS_COL_LEASE_UNTIL - 1]) : 0;
+	row->expires_at = DatumGetTimestampTz(v[KEYS_COL_EXPIRES_AT - 1]);
+	row->sweep_at = DatumGetTimestampTz(v[KEYS_COL_SWEEP_AT - 1]);
+	memcpy(&row->retention, DatumGetIntervalP(v[KEYS_COL_RETENTION - 1]),
 		   sizeof(Interval));
-	if (slot->tts_tupleDescriptor->natts >= COL_OWNER_SESSION)
+	if (slot->tts_tupleDescriptor->natts >= KEYS_COL_OWNER_SESSION)
 	{
-		row->phase = (want_body && !n[COL_PHASE - 1]) ?
-			PointerGetDatum(DatumGetTextPCopy(v[COL_PHASE - 1])) : (Datum) 0;
-		row->phase_data = (want_body && !n[COL_PHASE_DATA - 1]) ?
-			datumCopy(v[COL_PHASE_DATA - 1], false, -1) : (Datum) 0;
-		row->has_owner_session = !n[COL_OWNER_SESSION - 1];
+		row->phase = (want_body && !n[KEYS_COL_PHASE - 1]) ?
+			PointerGetDatum(DatumGetTextPCopy(v[KEYS_COL_PHASE - 1])) : (Datum) 0;
+		row->phase_data = (want_body && !n[KEYS_COL_PHASE_DATA - 1]) ?
+			datumCopy(v[KEYS_COL_PHASE_DATA - 1], false, -1) : (Datum) 0;
+		row->has_owner_session = !n[KEYS_COL_OWNER_SESSION - 1];
 		row->owner_session = row->has_owner_session ?
-			DatumGetInt64(v[COL_OWNER_SESSION - 1]) : 0;
+			DatumGetInt64(v[KEYS_COL_OWNER_SESSION - 1]) : 0;
 	}
 }
 
@@ -262,7 +262,7 @@ row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 		row->busy_xid = dirty->xmin;
 		if (!(infomask & HEAP_XMAX_INVALID) && !HEAP_XMAX_IS_LOCKED_ONLY(infomask))
 			return;				/* changed again by the same transaction */
-		token = slot_getattr(slot, COL_TOKEN, &isnull);
+		token = slot_getattr(slot, KEYS_COL_TOKEN, &isnull);
 		row->busy_new = true;
 		row->busy_token = isnull ? 0 : DatumGetInt64(token);
 	}
@@ -278,19 +278,19 @@ row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 
 		if (!TransactionIdIsValid(row->busy_xid))
 			row->busy_xid = dirty->xmax;
-		d = slot_getattr(slot, COL_STATUS, &isnull);
+		d = slot_getattr(slot, KEYS_COL_STATUS, &isnull);
 		if (!isnull &&
 			idem_status_parse(VARDATA_ANY(DatumGetTextPP(d)),
 							  VARSIZE_ANY_EXHDR(DatumGetTextPP(d)),
 							  &row->busy_old_status))
 		{
-			d = slot_getattr(slot, COL_TOKEN, &isnull);
+			d = slot_getattr(slot, KEYS_COL_TOKEN, &isnull);
 			row->busy_old = true;
 			row->busy_old_has_token = !isnull;
 			row->busy_old_token = isnull ? 0 : DatumGetInt64(d);
-			d = slot_getattr(slot, COL_ATTEMPT, &isnull);
+			d = slot_getattr(slot, KEYS_COL_ATTEMPT, &isnull);
 			row->busy_old_attempt = isnull ? 0 : DatumGetInt32(d);
-			d = slot_getattr(slot, COL_EXPIRES_AT, &isnull);
+			d = slot_getattr(slot, KEYS_COL_EXPIRES_AT, &isnull);
 			row->busy_old_expires_at = isnull ? 0 : DatumGetTimestampTz(d);
 		}
 	}
@@ -300,8 +300,8 @@ row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 static bool
 row_is_key(TupleTableSlot *slot, text *scope, text *key)
 {
-	text	   *s = DatumGetTextPP(slot->tts_values[COL_SCOPE - 1]);
-	text	   *k = DatumGetTextPP(slot->tts_values[COL_KEY - 1]);
+	text	   *s = DatumGetTextPP(slot->tts_values[KEYS_COL_SCOPE - 1]);
+	text	   *k = DatumGetTextPP(slot->tts_values[KEYS_COL_KEY - 1]);
 
 	return VARSIZE_ANY_EXHDR(s) == VARSIZE_ANY_EXHDR(scope) &&
 		VARSIZE_ANY_EXHDR(k) == VARSIZE_ANY_EXHDR(key) &&
@@ -337,9 +337,9 @@ row_probe_once(text *scope, text *key, IdemProbeMode mode, bool want_body,
 		snapshot = GetActiveSnapshot();
 
 	/* ScanKeyInit compares with the "C" collation, as the columns do. */
-	ScanKeyInit(&skey[0], COL_SCOPE, BTEqualStrategyNumber, F_TEXTEQ,
+	ScanKeyInit(&skey[0], KEYS_COL_SCOPE, BTEqualStrategyNumber, F_TEXTEQ,
 				PointerGetDatum(scope));
-	ScanKeyInit(&skey[1], COL_KEY, BTEqualStrategyNumber, F_TEXTEQ,
+	ScanKeyInit(&skey[1], KEYS_COL_KEY, BTEqualStrategyNumber, F_TEXTEQ,
 				PointerGetDatum(key));
 
 	slot = table_slot_create(heap, NULL);
@@ -486,7 +486,7 @@ row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
 	TupleTableSlot *slot;
 	int			n = 0;
 	int			alloc = Min(limit, 256);
-	AttrNumber	lastcol = sessions ? COL_OWNER_SESSION : COL_KEY;
+	AttrNumber	lastcol = sessions ? KEYS_COL_OWNER_SESSION : KEYS_COL_KEY;
 
 	*tids = palloc(sizeof(ItemPointerData) * alloc);
 	*scopes = palloc(sizeof(text *) * alloc);
@@ -518,18 +518,18 @@ row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
 				*sessions = repalloc(*sessions, sizeof(int64) * alloc);
 		}
 		slot_getsomeattrs(slot, lastcol);
-		if (slot->tts_isnull[COL_SCOPE - 1] || slot->tts_isnull[COL_KEY - 1])
+		if (slot->tts_isnull[KEYS_COL_SCOPE - 1] || slot->tts_isnull[KEYS_COL_KEY - 1])
 			ereport(ERROR,
 					(errcode(ERRCODE_DATA_CORRUPTED),
 					 errmsg("an idempotency key has no value in column \"%s\"",
-							slot->tts_isnull[COL_SCOPE - 1] ? "scope" : "key"),
+							slot->tts_isnull[KEYS_COL_SCOPE - 1] ? "scope" : "key"),
 					 errhint("Someone changed idempotency.keys outside the extension's functions.")));
 		(*tids)[n] = slot->tts_tid;
-		(*scopes)[n] = DatumGetTextPCopy(slot->tts_values[COL_SCOPE - 1]);
-		(*keys)[n] = DatumGetTextPCopy(slot->tts_values[COL_KEY - 1]);
+		(*scopes)[n] = DatumGetTextPCopy(slot->tts_values[KEYS_COL_SCOPE - 1]);
+		(*keys)[n] = DatumGetTextPCopy(slot->tts_values[KEYS_COL_KEY - 1]);
 		if (sessions)
-			(*sessions)[n] = slot->tts_isnull[COL_OWNER_SESSION - 1] ? 0 :
-				DatumGetInt64(slot->tts_values[COL_OWNER_SESSION - 1]);
+			(*sessions)[n] = slot->tts_isnull[KEYS_COL_OWNER_SESSION - 1] ? 0 :
+				DatumGetInt64(slot->tts_values[KEYS_COL_OWNER_SESSION - 1]);
 		n++;
 	}
 	index_endscan(scan);
@@ -625,14 +625,14 @@ idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS]
 			IdemStatus	st;
 
 			CHECK_FOR_INTERRUPTS();
-			slot_getsomeattrs(slot, COL_EXPIRES_AT);
+			slot_getsomeattrs(slot, KEYS_COL_EXPIRES_AT);
 			/* NULLs only in a table someone altered: not a key, not counted */
-			if (slot->tts_isnull[COL_STATUS - 1] ||
-				slot->tts_isnull[COL_EXPIRES_AT - 1])
+			if (slot->tts_isnull[KEYS_COL_STATUS - 1] ||
+				slot->tts_isnull[KEYS_COL_EXPIRES_AT - 1])
 				continue;
-			if (DatumGetTimestampTz(slot->tts_values[COL_EXPIRES_AT - 1]) <= now)
+			if (DatumGetTimestampTz(slot->tts_values[KEYS_COL_EXPIRES_AT - 1]) <= now)
 				continue;
-			status = DatumGetTextPP(slot->tts_values[COL_STATUS - 1]);
+			status = DatumGetTextPP(slot->tts_values[KEYS_COL_STATUS - 1]);
 			if (idem_status_parse(VARDATA_ANY(status), VARSIZE_ANY_EXHDR(status), &st))
 				counts[st]++;
 		}
@@ -650,7 +650,7 @@ idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS]
 		source = IDEM_COUNT_UNKNOWN;
 		statstup = SearchSysCache3(STATRELATTINH,
 								   ObjectIdGetDatum(catalog->keys),
-								   Int16GetDatum(COL_STATUS),
+								   Int16GetDatum(KEYS_COL_STATUS),
 								   BoolGetDatum(false));
 		/* reltuples is -1 until the first VACUUM or ANALYZE */
 		if (HeapTupleIsValid(statstup) && reltuples >= 0 && relpages > 0)

@@ -47,28 +47,22 @@ typedef struct SessionShared
 
 static SessionShared *session_shared = NULL;
 
-/* Reserve our shared memory (called from the shmem request hook). */
-void
-idem_session_shmem_request(void)
-{
-	RequestAddinShmemSpace(sizeof(SessionShared));
-}
-
 /*
- * Create or attach our shared memory (called with AddinShmemInitLock).  The
- * count starts at 1, not 0, so that the sweeper's first run after a start
- * (the sessions of before a crash are all gone) looks for orphaned keys.
+ * The count starts at 1, not 0, so that the sweeper's first run after a
+ * start (the sessions of before a crash are all gone) looks for orphaned
+ * keys.
  */
-void
-idem_session_shmem_startup(void)
+static void
+session_shmem_attach(void *mem, bool found)
 {
-	bool		found;
-
-	session_shared = ShmemInitStruct("idempotency sessions",
-									 sizeof(SessionShared), &found);
+	session_shared = (SessionShared *) mem;
 	if (!found)
 		pg_atomic_init_u64(&session_shared->ended, 1);
 }
+
+const IdemShmemPart idem_session_shmem = {
+	"idempotency sessions", sizeof(SessionShared), NULL, session_shmem_attach
+};
 
 static void
 session_tag(LOCKTAG *tag, int64 session)
@@ -122,7 +116,12 @@ idem_session_bind(void)
 	my_session = idem_write_next_token();
 	session_tag(&tag, my_session);
 	if (LockAcquire(&tag, ExclusiveLock, true, true) == LOCKACQUIRE_NOT_AVAIL)
-		elog(ERROR, "session binding " INT64_FORMAT " is taken", my_session);
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("this session's binding is held by another session"),
+				 errdetail("The token sequence idempotency.token_seq handed out " INT64_FORMAT " again: it was set back.",
+						   my_session),
+				 errhint("Set idempotency.token_seq above every token stored in idempotency.keys with setval().")));
 	if (!exit_hook)
 	{
 		before_shmem_exit(session_exit, (Datum) 0);

@@ -66,21 +66,10 @@ PG_FUNCTION_INFO_V1(idem_stats_counters);
 PG_FUNCTION_INFO_V1(idem_stats_reset);
 PG_FUNCTION_INFO_V1(idem_stats_key_counts);
 
-/* Reserve our shared memory (called from the shmem request hook). */
-void
-idem_stats_shmem_request(void)
+static void
+stats_shmem_attach(void *mem, bool found)
 {
-	RequestAddinShmemSpace(sizeof(StatsShared));
-}
-
-/* Create or attach our shared memory (called with AddinShmemInitLock). */
-void
-idem_stats_shmem_startup(void)
-{
-	bool		found;
-
-	stats_shared = ShmemInitStruct("idempotency stats", sizeof(StatsShared),
-								   &found);
+	stats_shared = (StatsShared *) mem;
 	if (!found)
 	{
 		SpinLockInit(&stats_shared->mutex);
@@ -97,6 +86,10 @@ idem_stats_shmem_startup(void)
 		}
 	}
 }
+
+const IdemShmemPart idem_stats_shmem = {
+	"idempotency stats", sizeof(StatsShared), NULL, stats_shmem_attach
+};
 
 /*
  * Free the entries of databases that no longer exist (needs a transaction

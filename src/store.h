@@ -28,25 +28,25 @@
  */
 typedef enum KeysColumn
 {
-	COL_SCOPE = 1,
-	COL_KEY,
-	COL_STATUS,
-	COL_TOKEN,
-	COL_ATTEMPT,
-	COL_FINGERPRINT,
-	COL_RESPONSE_CODE,
-	COL_RESPONSE_BODY,
-	COL_CREATED_AT,
-	COL_FINISHED_AT,
-	COL_LEASE_UNTIL,
-	COL_EXPIRES_AT,
-	COL_RETENTION,
-	COL_SWEEP_AT,
+	KEYS_COL_SCOPE = 1,
+	KEYS_COL_KEY,
+	KEYS_COL_STATUS,
+	KEYS_COL_TOKEN,
+	KEYS_COL_ATTEMPT,
+	KEYS_COL_FINGERPRINT,
+	KEYS_COL_RESPONSE_CODE,
+	KEYS_COL_RESPONSE_BODY,
+	KEYS_COL_CREATED_AT,
+	KEYS_COL_FINISHED_AT,
+	KEYS_COL_LEASE_UNTIL,
+	KEYS_COL_EXPIRES_AT,
+	KEYS_COL_RETENTION,
+	KEYS_COL_SWEEP_AT,
 	/* appended in extension version 1.4 */
-	COL_PHASE,
-	COL_PHASE_DATA,
-	COL_OWNER_SESSION,
-	NUM_COLS = COL_OWNER_SESSION
+	KEYS_COL_PHASE,
+	KEYS_COL_PHASE_DATA,
+	KEYS_COL_OWNER_SESSION,
+	KEYS_NCOLS = KEYS_COL_OWNER_SESSION
 } KeysColumn;
 
 /*
@@ -54,10 +54,10 @@ typedef enum KeysColumn
  * columns.  One library serves every installed version, so the store
  * reads and writes only the columns the table has (IdemCatalog.ncols).
  */
-#define NUM_COLS_1_0			COL_SWEEP_AT
+#define KEYS_NCOLS_1_0			KEYS_COL_SWEEP_AT
 
 /* The bit of column "col" in a set of columns (a write rule's). */
-#define COLUMN(col)				(1u << ((col) - 1))
+#define KEYS_COL_BIT(col)				(1u << ((col) - 1))
 
 typedef struct KeysColumnDef
 {
@@ -67,7 +67,7 @@ typedef struct KeysColumnDef
 } KeysColumnDef;
 
 /* Indexed by column number - 1. */
-extern const KeysColumnDef idem_keys_columns[NUM_COLS];
+extern const KeysColumnDef idem_keys_columns[KEYS_NCOLS];
 
 /* ---- catalog.c ---- */
 
@@ -79,7 +79,7 @@ typedef struct IdemCatalog
 	Oid			sweep_idx;		/* keys_sweep_at_idx: (sweep_at) */
 	Oid			session_idx;	/* keys_owner_session_idx, or InvalidOid
 								 * before 1.4 */
-	int			ncols;			/* NUM_COLS, or NUM_COLS_1_0 before 1.4 */
+	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_0 before 1.4 */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
 	int64		shardid;		/* 0, or the Citus shard these relations

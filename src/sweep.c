@@ -1,7 +1,8 @@
 /*-------------------------------------------------------------------------
  *
  * sweep.c
- *	  One sweep batch, shared by idem_sweep() and the background worker.
+ *	  Sweeping: one sweep batch, shared by the background worker and
+ *	  idem_sweep(), the SQL entry point at the end of this file.
  *
  * Owns the sweep rules: a key whose retention has passed is deleted, unless
  * it is pending under a live lease; a pending key whose lease has ended is
@@ -21,11 +22,16 @@
  */
 #include "postgres.h"
 
+#include "fmgr.h"
+#include "funcapi.h"
 #include "miscadmin.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
+#include "args.h"
 #include "idempotency.h"
+
+PG_FUNCTION_INFO_V1(idem_sweep);
 
 /* Keys locked and written together (advisory locks held at once). */
 #define SWEEP_CHUNK			128
@@ -330,4 +336,40 @@ idem_sweep_batch_run(int batch, int max_fetches, uint64 *sessions_seen,
 	idem_stats_count(IDEM_STAT_EXPIRED, *expired);
 	idem_stats_count(IDEM_STAT_RESET, *reset);
 	return more;
+}
+
+Datum
+idem_sweep(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	int			batch = idem_sweep_batch;
+	int64		expired;
+	int64		reset;
+	TimestampTz start;
+	Datum		values[2];
+	bool		nulls[2] = {0};
+
+	if (!PG_ARGISNULL(0))
+	{
+		batch = PG_GETARG_INT32(0);
+		if (batch <= 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("batch_size must be positive")));
+	}
+	idem_check_writable("idem_sweep()");
+
+	idem_result_init(fcinfo);
+	start = GetCurrentTimestamp();
+	(void) idem_sweep_batch_run(batch, 0, NULL, &expired, &reset);
+	/* the coordinator of a distributed table sweeps every node's shards */
+	if (idem_catalog_distributed())
+		idem_citus_sweep_workers(batch, &expired, &reset);
+	idem_stats_sweep_done(GetCurrentTimestamp(),
+						  (double) (GetCurrentTimestamp() - start) / 1000.0);
+
+	values[0] = Int64GetDatum(expired);
+	values[1] = Int64GetDatum(reset);
+	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	PG_RETURN_VOID();
 }

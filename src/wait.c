@@ -9,7 +9,7 @@
  * at commit or abort (and at the abort of a subtransaction), sets the latch
  * of each backend waiting for one of them in this database.  The waiter
  * then probes again.  Without shared_preload_libraries there are no slots:
- * waiters poll instead (api.c), and this file only keeps its bookkeeping.
+ * waiters poll instead (claim.c), and this file only keeps its bookkeeping.
  * Must not decide outcomes or touch the table.
  *
  *-------------------------------------------------------------------------
@@ -70,21 +70,10 @@ wait_shmem_size(void)
 					mul_size(sizeof(WaitSlot), wait_nslots()));
 }
 
-/* Reserve our shared memory (called from the shmem request hook). */
-void
-idem_wait_shmem_request(void)
+static void
+wait_shmem_attach(void *mem, bool found)
 {
-	RequestAddinShmemSpace(wait_shmem_size());
-}
-
-/* Create or attach our shared memory (called with AddinShmemInitLock). */
-void
-idem_wait_shmem_startup(void)
-{
-	bool		found;
-
-	wait_shared = ShmemInitStruct("idempotency waiters", wait_shmem_size(),
-								  &found);
+	wait_shared = (WaitShared *) mem;
 	if (!found)
 	{
 		pg_atomic_init_u32(&wait_shared->nwaiting, 0);
@@ -96,6 +85,10 @@ idem_wait_shmem_startup(void)
 		}
 	}
 }
+
+const IdemShmemPart idem_wait_shmem = {
+	"idempotency waiters", 0, wait_shmem_size, wait_shmem_attach
+};
 
 /*
  * Set the latch of every backend of this database waiting for a key this

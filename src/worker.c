@@ -176,21 +176,11 @@ idem_worker_init(void)
 	RegisterBackgroundWorker(&worker);
 }
 
-/* Reserve the report slot (called from the shmem request hook). */
-void
-idem_worker_shmem_request(void)
+/* The report slot a sweeper fills for the launcher. */
+static void
+worker_shmem_attach(void *mem, bool found)
 {
-	RequestAddinShmemSpace(sizeof(WorkerShared));
-}
-
-/* Create or attach the report slot (called with AddinShmemInitLock). */
-void
-idem_worker_shmem_startup(void)
-{
-	bool		found;
-
-	worker_shared = ShmemInitStruct("idempotency worker",
-									sizeof(WorkerShared), &found);
+	worker_shared = (WorkerShared *) mem;
 	if (!found)
 	{
 		SpinLockInit(&worker_shared->mutex);
@@ -200,6 +190,10 @@ idem_worker_shmem_startup(void)
 		worker_shared->message[0] = '\0';
 	}
 }
+
+const IdemShmemPart idem_worker_shmem = {
+	"idempotency worker", sizeof(WorkerShared), NULL, worker_shmem_attach
+};
 
 /* What the launcher told this sweeper (from its bgw_extra). */
 static SweeperArgs

@@ -14,10 +14,10 @@
  * security still applies (not on Citus's shards, which only the direct
  * writer writes).  Every write runs as the table's owner in a
  * restricted security context (a write section).
- * Must not decide outcomes (api.c and sweep.c do), and must never wait on
- * another transaction's row: callers write only under the key's lock,
- * after a probe showed that nobody else is changing the row, and count
- * every write (idem_key_wrote) before releasing the lock.
+ * Must not decide outcomes (claim.c, holder.c and sweep.c do), and must
+ * never wait on another transaction's row: callers write only under the
+ * key's lock, after a probe showed that nobody else is changing the row,
+ * and count every write (idem_key_wrote) before releasing the lock.
  *
  *-------------------------------------------------------------------------
  */
@@ -56,14 +56,14 @@ typedef enum WriteKind
 } WriteKind;
 
 /* The columns 1 .. n. */
-#define COLUMNS_UPTO(n)			(COLUMN((n) + 1) - 1)
-#define ALL_COLUMNS				COLUMNS_UPTO(NUM_COLS)
-#define CHECKPOINT_COLUMNS		(COLUMN(COL_PHASE) | COLUMN(COL_PHASE_DATA))
+#define COLUMNS_UPTO(n)			(KEYS_COL_BIT((n) + 1) - 1)
+#define ALL_COLUMNS				COLUMNS_UPTO(KEYS_NCOLS)
+#define CHECKPOINT_COLUMNS		(KEYS_COL_BIT(KEYS_COL_PHASE) | KEYS_COL_BIT(KEYS_COL_PHASE_DATA))
 
 typedef struct WriteRule
 {
 	CmdType		cmd;			/* CMD_INSERT, CMD_UPDATE or CMD_DELETE */
-	uint32		columns;		/* the columns it sets (COLUMN bits) */
+	uint32		columns;		/* the columns it sets (KEYS_COL_BIT bits) */
 	bool		skip_busy;		/* skip a row changed or locked by others */
 } WriteRule;
 
@@ -71,10 +71,10 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	[WRITE_CLAIM_INSERT] = {CMD_INSERT, ALL_COLUMNS, false},
 	/* a fresh claim over a row past its retention: its checkpoint goes */
 	[WRITE_CLAIM_RENEW] = {CMD_UPDATE,
-		ALL_COLUMNS & ~(COLUMN(COL_SCOPE) | COLUMN(COL_KEY)), false},
+		ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY)), false},
 	/* a takeover: the new attempt resumes from the last checkpoint */
 	[WRITE_CLAIM_TAKEOVER] = {CMD_UPDATE,
-		ALL_COLUMNS & ~(COLUMN(COL_SCOPE) | COLUMN(COL_KEY) |
+		ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY) |
 						CHECKPOINT_COLUMNS), false},
 	/*
 	 * A finished key is bound to no session.  Setting owner_session from
@@ -82,13 +82,13 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	 * update.
 	 */
 	[WRITE_FINISH] = {CMD_UPDATE,
-		COLUMN(COL_STATUS) | COLUMN(COL_RESPONSE_CODE) |
-		COLUMN(COL_RESPONSE_BODY) | COLUMN(COL_FINISHED_AT) |
-		COLUMN(COL_LEASE_UNTIL) | COLUMN(COL_EXPIRES_AT) |
-		COLUMN(COL_SWEEP_AT) | COLUMN(COL_OWNER_SESSION), false},
+		KEYS_COL_BIT(KEYS_COL_STATUS) | KEYS_COL_BIT(KEYS_COL_RESPONSE_CODE) |
+		KEYS_COL_BIT(KEYS_COL_RESPONSE_BODY) | KEYS_COL_BIT(KEYS_COL_FINISHED_AT) |
+		KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT) |
+		KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION), false},
 	[WRITE_CHECKPOINT] = {CMD_UPDATE, CHECKPOINT_COLUMNS, false},
 	[WRITE_EXTEND] = {CMD_UPDATE,
-		COLUMN(COL_LEASE_UNTIL) | COLUMN(COL_EXPIRES_AT), false},
+		KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT), false},
 	[WRITE_RELEASE] = {CMD_DELETE, 0, false},
 
 	/*
@@ -99,9 +99,9 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	 */
 	[WRITE_SWEEP_DELETE] = {CMD_DELETE, 0, true},
 	[WRITE_SWEEP_RESET] = {CMD_UPDATE,
-		COLUMN(COL_TOKEN) | COLUMN(COL_SWEEP_AT) | COLUMN(COL_OWNER_SESSION),
+		KEYS_COL_BIT(KEYS_COL_TOKEN) | KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION),
 		true},
-	[WRITE_SWEEP_RESCHEDULE] = {CMD_UPDATE, COLUMN(COL_SWEEP_AT), true},
+	[WRITE_SWEEP_RESCHEDULE] = {CMD_UPDATE, KEYS_COL_BIT(KEYS_COL_SWEEP_AT), true},
 };
 
 /*
@@ -123,8 +123,8 @@ write_columns(const WriteRule *rule)
 typedef struct WriteRow
 {
 	ItemPointerData tid;		/* the row version it changes (not an insert) */
-	Datum		values[NUM_COLS];
-	bool		nulls[NUM_COLS];
+	Datum		values[KEYS_NCOLS];
+	bool		nulls[KEYS_NCOLS];
 } WriteRow;
 
 /* The identity and settings to restore at the end of a write section. */
@@ -199,11 +199,11 @@ write_rule_sql(const WriteRule *rule, Oid *argtypes, int *nargs)
 			appendStringInfoString(&sql, "DELETE FROM idempotency.keys");
 			break;
 	}
-	for (int i = 0; i < NUM_COLS; i++)
+	for (int i = 0; i < KEYS_NCOLS; i++)
 	{
 		const char *name = quote_identifier(idem_keys_columns[i].name);
 
-		if (!(columns & COLUMN(i + 1)))
+		if (!(columns & KEYS_COL_BIT(i + 1)))
 			continue;
 		argtypes[(*nargs)++] = idem_keys_columns[i].type;
 		if (rule->cmd == CMD_INSERT)
@@ -249,7 +249,7 @@ write_plan(WriteKind kind)
 	}
 	if (write_plans[kind] == NULL)
 	{
-		Oid			argtypes[NUM_COLS + 1];
+		Oid			argtypes[KEYS_NCOLS + 1];
 		int			nargs;
 		char	   *sql = write_rule_sql(&write_rules[kind], argtypes, &nargs);
 		SPIPlanPtr	plan;
@@ -284,8 +284,8 @@ write_execute(WriteKind kind, const WriteRow *row)
 	const WriteRule *rule = &write_rules[kind];
 	SPIPlanPtr	plan = write_plan(kind);
 	uint32		columns = write_columns(rule);
-	Datum		values[NUM_COLS + 1];
-	char		nulls[NUM_COLS + 1];
+	Datum		values[KEYS_NCOLS + 1];
+	char		nulls[KEYS_NCOLS + 1];
 	int			nargs = 0;
 	int			save_nestlevel;
 	int			rc;
@@ -295,9 +295,9 @@ write_execute(WriteKind kind, const WriteRow *row)
 		values[nargs] = PointerGetDatum(&row->tid);
 		nulls[nargs++] = ' ';
 	}
-	for (int i = 0; i < NUM_COLS; i++)
+	for (int i = 0; i < KEYS_NCOLS; i++)
 	{
-		if (!(columns & COLUMN(i + 1)))
+		if (!(columns & KEYS_COL_BIT(i + 1)))
 			continue;
 		values[nargs] = row->values[i];
 		nulls[nargs++] = row->nulls[i] ? 'n' : ' ';
@@ -474,14 +474,14 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 }
 
 static void
-row_set(WriteRow *row, KeysColumn col, Datum value)
+write_set(WriteRow *row, KeysColumn col, Datum value)
 {
 	row->values[col - 1] = value;
 	row->nulls[col - 1] = false;
 }
 
 static void
-row_null(WriteRow *row, KeysColumn col)
+write_set_null(WriteRow *row, KeysColumn col)
 {
 	row->values[col - 1] = (Datum) 0;
 	row->nulls[col - 1] = true;
@@ -489,7 +489,7 @@ row_null(WriteRow *row, KeysColumn col)
 
 /* A new write of the row version "tid" (NULL for an insert). */
 static void
-row_init(WriteRow *row, const ItemPointerData *tid)
+write_row_begin(WriteRow *row, const ItemPointerData *tid)
 {
 	memset(row, 0, sizeof(WriteRow));
 	if (tid != NULL)
@@ -498,19 +498,19 @@ row_init(WriteRow *row, const ItemPointerData *tid)
 
 /* A bytea fingerprint column, or NULL. */
 static void
-row_fingerprint(WriteRow *row, const uint8 *fingerprint)
+write_set_fingerprint(WriteRow *row, const uint8 *fingerprint)
 {
 	bytea	   *b;
 
 	if (fingerprint == NULL)
 	{
-		row_null(row, COL_FINGERPRINT);
+		write_set_null(row, KEYS_COL_FINGERPRINT);
 		return;
 	}
 	b = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
 	SET_VARSIZE(b, VARHDRSZ + IDEM_FINGERPRINT_LEN);
 	memcpy(VARDATA(b), fingerprint, IDEM_FINGERPRINT_LEN);
-	row_set(row, COL_FINGERPRINT, PointerGetDatum(b));
+	write_set(row, KEYS_COL_FINGERPRINT, PointerGetDatum(b));
 }
 
 /*
@@ -527,29 +527,29 @@ write_sweep_at(const IdemRow *row, TimestampTz due)
 
 /* The columns of a new pending attempt, whether inserted or taking a row over. */
 static void
-row_pending(WriteRow *row, int64 token, int32 attempt,
+write_set_pending_attempt(WriteRow *row, int64 token, int32 attempt,
 			const uint8 *fingerprint, TimestampTz created_at,
 			TimestampTz lease_until, TimestampTz expires_at,
 			Interval *retention, TimestampTz sweep_at, int64 owner_session)
 {
-	row_set(row, COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
-	row_set(row, COL_TOKEN, Int64GetDatum(token));
-	row_set(row, COL_ATTEMPT, Int32GetDatum(attempt));
-	row_fingerprint(row, fingerprint);
-	row_null(row, COL_RESPONSE_CODE);
-	row_null(row, COL_RESPONSE_BODY);
-	row_set(row, COL_CREATED_AT, TimestampTzGetDatum(created_at));
-	row_null(row, COL_FINISHED_AT);
-	row_set(row, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
-	row_set(row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
-	row_set(row, COL_RETENTION, IntervalPGetDatum(retention));
-	row_set(row, COL_SWEEP_AT, TimestampTzGetDatum(sweep_at));
-	row_null(row, COL_PHASE);
-	row_null(row, COL_PHASE_DATA);
+	write_set(row, KEYS_COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
+	write_set(row, KEYS_COL_TOKEN, Int64GetDatum(token));
+	write_set(row, KEYS_COL_ATTEMPT, Int32GetDatum(attempt));
+	write_set_fingerprint(row, fingerprint);
+	write_set_null(row, KEYS_COL_RESPONSE_CODE);
+	write_set_null(row, KEYS_COL_RESPONSE_BODY);
+	write_set(row, KEYS_COL_CREATED_AT, TimestampTzGetDatum(created_at));
+	write_set_null(row, KEYS_COL_FINISHED_AT);
+	write_set(row, KEYS_COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
+	write_set(row, KEYS_COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
+	write_set(row, KEYS_COL_RETENTION, IntervalPGetDatum(retention));
+	write_set(row, KEYS_COL_SWEEP_AT, TimestampTzGetDatum(sweep_at));
+	write_set_null(row, KEYS_COL_PHASE);
+	write_set_null(row, KEYS_COL_PHASE_DATA);
 	if (owner_session != 0)
-		row_set(row, COL_OWNER_SESSION, Int64GetDatum(owner_session));
+		write_set(row, KEYS_COL_OWNER_SESSION, Int64GetDatum(owner_session));
 	else
-		row_null(row, COL_OWNER_SESSION);
+		write_set_null(row, KEYS_COL_OWNER_SESSION);
 }
 
 /* Insert a new pending key (first attempt). */
@@ -561,10 +561,10 @@ idem_write_insert_claim(text *scope, text *key, int64 token,
 {
 	WriteRow	row;
 
-	row_init(&row, NULL);
-	row_set(&row, COL_SCOPE, PointerGetDatum(scope));
-	row_set(&row, COL_KEY, PointerGetDatum(key));
-	row_pending(&row, token, 1, fingerprint, now, lease_until, expires_at,
+	write_row_begin(&row, NULL);
+	write_set(&row, KEYS_COL_SCOPE, PointerGetDatum(scope));
+	write_set(&row, KEYS_COL_KEY, PointerGetDatum(key));
+	write_set_pending_attempt(&row, token, 1, fingerprint, now, lease_until, expires_at,
 				retention, lease_until, owner_session);
 	(void) write_apply(WRITE_CLAIM_INSERT, &row, 1);
 }
@@ -583,8 +583,8 @@ idem_write_update_claim(const IdemRow *old, int64 token, int32 attempt,
 {
 	WriteRow	row;
 
-	row_init(&row, &old->tid);
-	row_pending(&row, token, attempt, fingerprint, created_at, lease_until,
+	write_row_begin(&row, &old->tid);
+	write_set_pending_attempt(&row, token, attempt, fingerprint, created_at, lease_until,
 				expires_at, retention, write_sweep_at(old, lease_until),
 				owner_session);
 	(void) write_apply(attempt > 1 ? WRITE_CLAIM_TAKEOVER : WRITE_CLAIM_RENEW,
@@ -599,22 +599,22 @@ idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
 {
 	WriteRow	row;
 
-	row_init(&row, &old->tid);
-	row_set(&row, COL_STATUS, CStringGetTextDatum(idem_status_names[status]));
+	write_row_begin(&row, &old->tid);
+	write_set(&row, KEYS_COL_STATUS, CStringGetTextDatum(idem_status_names[status]));
 	if (has_code)
-		row_set(&row, COL_RESPONSE_CODE, Int32GetDatum(code));
+		write_set(&row, KEYS_COL_RESPONSE_CODE, Int32GetDatum(code));
 	else
-		row_null(&row, COL_RESPONSE_CODE);
+		write_set_null(&row, KEYS_COL_RESPONSE_CODE);
 	if (body != (Datum) 0)
-		row_set(&row, COL_RESPONSE_BODY, body);
+		write_set(&row, KEYS_COL_RESPONSE_BODY, body);
 	else
-		row_null(&row, COL_RESPONSE_BODY);
-	row_set(&row, COL_FINISHED_AT, TimestampTzGetDatum(now));
-	row_null(&row, COL_LEASE_UNTIL);
-	row_set(&row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
-	row_set(&row, COL_SWEEP_AT,
+		write_set_null(&row, KEYS_COL_RESPONSE_BODY);
+	write_set(&row, KEYS_COL_FINISHED_AT, TimestampTzGetDatum(now));
+	write_set_null(&row, KEYS_COL_LEASE_UNTIL);
+	write_set(&row, KEYS_COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
+	write_set(&row, KEYS_COL_SWEEP_AT,
 			TimestampTzGetDatum(write_sweep_at(old, expires_at)));
-	row_null(&row, COL_OWNER_SESSION);
+	write_set_null(&row, KEYS_COL_OWNER_SESSION);
 	(void) write_apply(WRITE_FINISH, &row, 1);
 }
 
@@ -627,17 +627,17 @@ idem_write_checkpoint(const IdemRow *old, Datum phase, Datum data)
 {
 	WriteRow	row;
 
-	if (idem_catalog()->ncols < COL_PHASE_DATA)
+	if (idem_catalog()->ncols < KEYS_COL_PHASE_DATA)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("idempotency.keys has no checkpoint columns"),
 				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
-	row_init(&row, &old->tid);
-	row_set(&row, COL_PHASE, phase);
+	write_row_begin(&row, &old->tid);
+	write_set(&row, KEYS_COL_PHASE, phase);
 	if (data != (Datum) 0)
-		row_set(&row, COL_PHASE_DATA, data);
+		write_set(&row, KEYS_COL_PHASE_DATA, data);
 	else
-		row_null(&row, COL_PHASE_DATA);
+		write_set_null(&row, KEYS_COL_PHASE_DATA);
 	(void) write_apply(WRITE_CHECKPOINT, &row, 1);
 }
 
@@ -648,9 +648,9 @@ idem_write_extend(const IdemRow *old, TimestampTz lease_until,
 {
 	WriteRow	row;
 
-	row_init(&row, &old->tid);
-	row_set(&row, COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
-	row_set(&row, COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
+	write_row_begin(&row, &old->tid);
+	write_set(&row, KEYS_COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
+	write_set(&row, KEYS_COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
 	(void) write_apply(WRITE_EXTEND, &row, 1);
 }
 
@@ -660,7 +660,7 @@ idem_write_release(const IdemRow *old)
 {
 	WriteRow	row;
 
-	row_init(&row, &old->tid);
+	write_row_begin(&row, &old->tid);
 	(void) write_apply(WRITE_RELEASE, &row, 1);
 }
 
@@ -687,10 +687,10 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 	rows = palloc(sizeof(WriteRow) * n);
 	for (int i = 0; i < n; i++)
 	{
-		row_init(&rows[i], &items[i].tid);
-		row_null(&rows[i], COL_TOKEN);
-		row_set(&rows[i], COL_SWEEP_AT, TimestampTzGetDatum(items[i].sweep_at));
-		row_null(&rows[i], COL_OWNER_SESSION);
+		write_row_begin(&rows[i], &items[i].tid);
+		write_set_null(&rows[i], KEYS_COL_TOKEN);
+		write_set(&rows[i], KEYS_COL_SWEEP_AT, TimestampTzGetDatum(items[i].sweep_at));
+		write_set_null(&rows[i], KEYS_COL_OWNER_SESSION);
 	}
 	done = write_apply(kinds[work], rows, n);
 	pfree(rows);
