@@ -53,10 +53,11 @@ if ((check)); then
 		echo "indent: the files above are not indented; run ./run indent" >&2
 		rc=1
 	fi
-	# A comment line: one that starts (after indentation) with /*, * or */.
+	# A comment line: one that starts (after indentation) with "/*", "* ",
+	# a lone "*" or "*/" (not a dereference like "*count = ...").
 	long=$(for f in "${files[@]}"; do
 		expand -t 4 "$f" | awk -v f="$f" \
-			'length($0) > 80 && $0 ~ /^[ ]*(\/\*|\*)/ { print f ":" NR ": " length($0) " columns" }'
+			'length($0) > 80 && $0 ~ /^[ ]*(\/\*|\*( |\/|$))/ { print f ":" NR ": " length($0) " columns" }'
 	done)
 	if [[ -n $long ]]; then
 		echo "$long"

@@ -86,7 +86,7 @@ idem_check_name(text *t, const char *name, bool allow_empty)
 /* A key or scope argument: not NULL, and as idem_check_name says. */
 text *
 idem_arg_name(FunctionCallInfo fcinfo, int argno, const char *name,
-		 bool allow_empty)
+			  bool allow_empty)
 {
 	text	   *t;
 
@@ -263,6 +263,7 @@ idem_result_init(FunctionCallInfo fcinfo)
 						rsinfo->expectedDesc != NULL ?
 						MAT_SRF_USE_EXPECTED_DESC : 0);
 }
+
 /* ---------------------------------------------------------------------
  * Batch arguments
  * ---------------------------------------------------------------------
@@ -276,7 +277,7 @@ idem_result_init(FunctionCallInfo fcinfo)
  */
 void
 idem_arg_array(FunctionCallInfo fcinfo, int argno, const char *name,
-		  bool required, Oid elemtype, BatchArray *out)
+			   bool required, Oid elemtype, BatchArray *out)
 {
 	ArrayType  *arr;
 	int16		typlen;

@@ -148,7 +148,10 @@ idem_catalog_check_member(Oid relid)
 				 errhint("Someone replaced the extension's objects; reinstall the extension.")));
 }
 
-/* Raise 55000 for an extension object ("what") that is not as the extension made it. */
+/*
+ * Raise 55000 for an extension object ("what") that is not as the
+ * extension made it.
+ */
 void
 idem_catalog_refuse_replaced(const char *what)
 {
@@ -365,8 +368,8 @@ catalog_base(void)
 	/*
 	 * The first lock this transaction takes on the table accepts the
 	 * invalidations queued meanwhile (a REINDEX CONCURRENTLY of an index,
-	 * say): take it before trusting the cache, not after.  Every caller
-	 * opens the table next, so this costs a local lock table lookup.
+	 * say): take it before trusting the cache, not after.  Every caller opens
+	 * the table next, so this costs a local lock table lookup.
 	 */
 	if (cached_valid)
 	{
@@ -479,7 +482,10 @@ catalog_shard_of(int32 hash)
 	return NULL;
 }
 
-/* Lock and check the relations of a local shard (Citus names them by its id). */
+/*
+ * Lock and check the relations of a local shard (Citus names them by its
+ * id).
+ */
 static void
 catalog_check_shard(ShardEntry *e)
 {

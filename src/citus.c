@@ -51,6 +51,7 @@ typedef struct CitusShared
 } CitusShared;
 
 static CitusShared *citus_shared = NULL;
+
 /* Without shared memory (not preloaded): this backend's own floor. */
 static uint64 backend_token_floor = 0;
 

@@ -133,6 +133,7 @@ seconds_until(TimestampTz until, TimestampTz now)
 		return PG_INT32_MAX;
 	return (int32) s;
 }
+
 /* ---------------------------------------------------------------------
  * The decision
  * ---------------------------------------------------------------------
@@ -149,7 +150,7 @@ seconds_until(TimestampTz until, TimestampTz now)
  * transaction ends.  A token of a subtransaction rolled back since is in
  * no row.
  */
-static int64 xact_first_token = 0;		/* 0: none yet (tokens start at 1) */
+static int64 xact_first_token = 0;	/* 0: none yet (tokens start at 1) */
 static HTAB *xact_tokens = NULL;
 static bool xact_tokens_callback = false;
 
@@ -261,12 +262,13 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 		res->response_body = row->response_body;
 		return ACTION_ANSWER;
 	}
+
 	/*
 	 * A live lease, and for a session-bound claim a live session too: once
-	 * the owner's session ended the key is reclaimable at once.  A claim
-	 * that our own open transaction (or an earlier element of this batch)
-	 * made is held by us whatever its lease: taking it over would hand out
-	 * a second token for an attempt that is still running here.
+	 * the owner's session ended the key is reclaimable at once.  A claim that
+	 * our own open transaction (or an earlier element of this batch) made is
+	 * held by us whatever its lease: taking it over would hand out a second
+	 * token for an attempt that is still running here.
 	 */
 	if (row->has_token &&
 		(claim_held_here(row) ||
@@ -311,8 +313,8 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 
 	/*
 	 * Under the lock nobody else can start changing the key: look again,
-	 * unless the key was absent and no key of its slice was written since
-	 * we looked (keylock.c, idem_key_write_count; a fresh key is the common
+	 * unless the key was absent and no key of its slice was written since we
+	 * looked (keylock.c, idem_key_write_count; a fresh key is the common
 	 * case, and this saves its second index descent).
 	 */
 	if (row.found || row.busy || !counted ||
@@ -399,7 +401,7 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 			int64		sleep_us;
 			long		sleep_ms;
 
-			/* Each round's probe allocates afresh: a long wait must not grow. */
+			/* Each round's probe allocates afresh: a long wait must not grow */
 			ResetLatch(MyLatch);
 			MemoryContextReset(round_cxt);
 			MemoryContextSwitchTo(round_cxt);
@@ -414,7 +416,7 @@ claim_with_wait(const ClaimArgs *args, int64 wait_us, ClaimResult *res)
 			sleep_us = deadline - now;
 			if (res->lease_until > now)
 				sleep_us = Min(sleep_us, res->lease_until - now);
-			if (!reg.published)	/* not preloaded: nobody will wake us */
+			if (!reg.published) /* not preloaded: nobody will wake us */
 				sleep_us = Min(sleep_us, WAIT_POLL_MS * 1000);
 			else if (res->busy)
 				sleep_us = Min(sleep_us, WAIT_SAFETY_MS * 1000);

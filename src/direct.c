@@ -84,7 +84,10 @@ idem_direct_begin(IdemDirect *direct)
 	return true;
 }
 
-/* End a run of direct writes; the next command sees them, as after a statement. */
+/*
+ * End a run of direct writes; the next command sees them, as after a
+ * statement.
+ */
 void
 idem_direct_end(IdemDirect *direct)
 {
@@ -192,9 +195,10 @@ idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
 }
 
 /*
- * Update the row version at "tid": the columns in "columns" (KEYS_COL_BIT bits)
- * get the new values, the others keep theirs.  With "wait", a row being changed by
- * another transaction is waited for, as the SQL statement would.
+ * Update the row version at "tid": the columns in "columns" (KEYS_COL_BIT
+ * bits) get the new values, the others keep theirs.  With "wait", a row
+ * being changed by another transaction is waited for, as the SQL statement
+ * would.
  */
 IdemDirectResult
 idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
@@ -214,7 +218,11 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 	CheckCmdReplicaIdentity(direct->heap, CMD_UPDATE);
 	if (!table_tuple_fetch_row_version(direct->heap, &otid, SnapshotAny, old))
 		return IDEM_DIRECT_GONE;
-	/* a copy of its own: the new row is formed from it after the page moves on */
+
+	/*
+	 * a copy of its own: the new row is formed from it after the page moves
+	 * on
+	 */
 	ExecMaterializeSlot(old);
 	slot_getallattrs(old);
 

@@ -32,9 +32,9 @@
  * matters) the digest is fetched once per backend and one EVP context is
  * reused: pg_cryptohash_create allocates a context, registers it with the
  * resource owner and has OpenSSL look the digest up by name on every call,
- * which costs more than the hashing itself on a replay.  EVP keeps the hashing inside OpenSSL's providers, so a
- * FIPS configuration still applies.  Elsewhere PostgreSQL's own
- * implementation is used as is.
+ * which costs more than the hashing itself on a replay.  EVP keeps the
+ * hashing inside OpenSSL's providers, so a FIPS configuration still
+ * applies.  Elsewhere PostgreSQL's own implementation is used as is.
  */
 #ifdef USE_OPENSSL
 static EVP_MD_CTX *sha256_ctx = NULL;

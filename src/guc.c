@@ -77,8 +77,8 @@ idem_guc_init(void)
 							NULL, NULL, NULL);
 
 	/*
-	 * Superuser-only: a monitoring role polls the stats view, and must not
-	 * be able to turn every poll into a scan of a large table.
+	 * Superuser-only: a monitoring role polls the stats view, and must not be
+	 * able to turn every poll into a scan of a large table.
 	 */
 	DefineCustomIntVariable("idempotency.stats_exact_limit",
 							"Largest keys table whose key counts the stats view counts exactly.",

@@ -247,9 +247,9 @@ token_call_begin(TokenCall *call)
 
 	/*
 	 * What the committed row says is said whatever another transaction is
-	 * doing to the key right now: a dead token, a finished key and a key
-	 * past its retention get their own errors.  Only a call whose token is
-	 * current has to wait for that transaction's outcome (55P03).
+	 * doing to the key right now: a dead token, a finished key and a key past
+	 * its retention get their own errors.  Only a call whose token is current
+	 * has to wait for that transaction's outcome (55P03).
 	 */
 	if (row->locked && row->found)
 	{
@@ -313,7 +313,7 @@ finish_key(TokenCall *call, IdemStatus status, bool has_code, int32 code,
 		return call->row.expires_at;
 	}
 	expires_at = idem_add_interval(call->now,
-							  retention ? retention : &call->row.retention);
+								   retention ? retention : &call->row.retention);
 	idem_write_finish(&call->row, status, has_code, code, body, call->now,
 					  expires_at);
 	token_call_end(call);
@@ -457,11 +457,11 @@ idem_finish_many(PG_FUNCTION_ARGS)
 		values[0] = Int32GetDatum(i + 1);
 		values[1] = keys.elems[i];
 		values[2] = TimestampTzGetDatum(
-			finish_key(&elem.call, status, has_code,
-					   has_code ? DatumGetInt32(codes.elems[i]) : 0,
-					   (bodies.given && !bodies.nulls[i]) ?
-					   bodies.elems[i] : (Datum) 0,
-					   retention, &wrote));
+										finish_key(&elem.call, status, has_code,
+												   has_code ? DatumGetInt32(codes.elems[i]) : 0,
+												   (bodies.given && !bodies.nulls[i]) ?
+												   bodies.elems[i] : (Datum) 0,
+												   retention, &wrote));
 		finished += wrote;
 		MemoryContextSwitchTo(outer);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
@@ -489,7 +489,7 @@ idem_extend(PG_FUNCTION_ARGS)
 
 	(void) token_call_begin(&call);
 	lease_until = idem_add_interval(call.now, lease ? lease :
-							   idem_interval_from_ms(idem_lease_ms));
+									idem_interval_from_ms(idem_lease_ms));
 	expires_at = Max(idem_add_interval(call.now, &call.row.retention), lease_until);
 	idem_write_extend(&call.row, lease_until, expires_at);
 	token_call_end(&call);

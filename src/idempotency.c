@@ -74,7 +74,7 @@ idem_shmem_startup(void)
 		const IdemShmemPart *part = shmem_parts[i];
 		bool		found;
 		void	   *mem = ShmemInitStruct(part->name, shmem_part_size(part),
-											  &found);
+										  &found);
 
 		part->attach(mem, found);
 	}

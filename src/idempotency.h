@@ -160,7 +160,8 @@ typedef struct IdemRow
 	uint8		fingerprint[IDEM_FINGERPRINT_LEN];
 	bool		has_response_code;
 	int32		response_code;
-	Datum		response_body;	/* copy as stored (maybe a TOAST pointer), or 0 */
+	Datum		response_body;	/* copy as stored (maybe a TOAST pointer), or
+								 * 0 */
 	TimestampTz created_at;
 	bool		has_finished_at;
 	TimestampTz finished_at;

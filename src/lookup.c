@@ -65,5 +65,3 @@ idem_lookup(PG_FUNCTION_ARGS)
 	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	PG_RETURN_VOID();
 }
-
-/* idem_sweep(batch_size) RETURNS TABLE (expired bigint, reset bigint) */

@@ -48,7 +48,10 @@ const char *const idem_status_names[IDEM_NSTATUS] = {
 	[IDEM_FAILED] = "failed",
 };
 
-/* Set *status to the status named by the "len" bytes at "name"; false if none. */
+/*
+ * Set *status to the status named by the "len" bytes at "name"; false if
+ * none.
+ */
 bool
 idem_status_parse(const char *name, int len, IdemStatus *status)
 {
@@ -269,9 +272,9 @@ row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 	else
 	{
 		/*
-		 * The committed version another transaction is changing: whose
-		 * token it holds tells a token holder whether its token was dead
-		 * already, whatever that change turns out to be.
+		 * The committed version another transaction is changing: whose token
+		 * it holds tells a token holder whether its token was dead already,
+		 * whatever that change turns out to be.
 		 */
 		bool		isnull;
 		Datum		d;
@@ -437,7 +440,7 @@ idem_row_fetch(IdemFetch *fetch, ItemPointer tid, text *scope, text *key,
 void
 idem_row_fetch_begin(IdemFetch *fetch)
 {
-		fetch->heap = table_open(idem_catalog()->keys, AccessShareLock);
+	fetch->heap = table_open(idem_catalog()->keys, AccessShareLock);
 	fetch->slot = table_slot_create(fetch->heap, NULL);
 }
 

@@ -219,6 +219,7 @@ idem_stats_counters(PG_FUNCTION_ARGS)
 	for (int i = 0; i < STATS_MAX_DATABASES; i++)
 	{
 		StatsEntry *e = &stats_shared->entries[i];
+
 		/* dbid, the 1.0 counters, the last sweep, the 1.4 counters */
 		Datum		values[IDEM_STAT_NCOUNTERS + 3];
 		bool		nulls[IDEM_STAT_NCOUNTERS + 3] = {0};

@@ -71,7 +71,10 @@ extern const KeysColumnDef idem_keys_columns[KEYS_NCOLS];
 
 /* ---- catalog.c ---- */
 
-/* The extension's relations, each locked AccessShareLock by this transaction. */
+/*
+ * The extension's relations, each locked AccessShareLock by this
+ * transaction.
+ */
 typedef struct IdemCatalog
 {
 	Oid			keys;
@@ -82,8 +85,8 @@ typedef struct IdemCatalog
 	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_0 before 1.4 */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
-	int64		shardid;		/* 0, or the Citus shard these relations
-								 * are (keys_<shardid> and its indexes) */
+	int64		shardid;		/* 0, or the Citus shard these relations are
+								 * (keys_<shardid> and its indexes) */
 } IdemCatalog;
 
 extern const IdemCatalog *idem_catalog(void);

@@ -9,7 +9,8 @@
  * client functions are not SECURITY DEFINER, so that is the role that
  * called them.  The cache is reloaded, with the latest snapshot, after any
  * change to the table: its statement trigger sends a relcache invalidation
- * that every backend receives.  With no bindings at all the check costs a cached boolean.
+ * that every backend receives.  With no bindings at all the check costs a
+ * cached boolean.
  * Reads nothing of idempotency.keys but whether Citus distributes it: then
  * the bindings must be a reference table, read from this node's placement.
  *
@@ -161,9 +162,9 @@ tenant_load(void)
 		LockRelationOid(read_relid, AccessShareLock);
 
 	/*
-	 * With keys distributed, bindings kept in a plain table would be seen
-	 * by the node where they were made only: refuse rather than let a
-	 * bound role through on the others.
+	 * With keys distributed, bindings kept in a plain table would be seen by
+	 * the node where they were made only: refuse rather than let a bound role
+	 * through on the others.
 	 */
 	if (read_relid == relid && idem_catalog_distributed())
 		ereport(ERROR,
@@ -209,6 +210,7 @@ tenant_load(void)
 	cache_cxt = load_cxt;
 	bindings = list;
 	nbindings = n;
+
 	/*
 	 * The list serves this call either way; it is kept for later calls only
 	 * if no change to the table arrived while we read it.

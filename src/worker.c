@@ -108,7 +108,8 @@ typedef struct WorkerShared
 	VisitResult result;
 	uint32		cause;			/* of a failure: see sweeper_cause() */
 	char		message[REPORT_MESSAGE_LEN];
-	uint64		sessions_seen;	/* the sweeper's SweeperArgs.sessions_seen, moved on */
+	uint64		sessions_seen;	/* the sweeper's SweeperArgs.sessions_seen,
+								 * moved on */
 } WorkerShared;
 
 /* What the launcher tells a sweeper, in its bgw_extra. */
@@ -266,8 +267,8 @@ sweeper_batch(int batch, int64 *expired, int64 *reset, bool *more)
 		 * it, or for every database) is not swept: deleting and resetting
 		 * keys is a write its users are refused too.  The direct write path
 		 * would not notice, so the check is made here, as every client
-		 * function makes it; the failure is logged once and the database
-		 * is swept again once it is writable.
+		 * function makes it; the failure is logged once and the database is
+		 * swept again once it is writable.
 		 */
 		if (XactReadOnly)
 			ereport(ERROR,
@@ -338,13 +339,14 @@ idem_sweeper_main(Datum arg)
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, die);
 	BackgroundWorkerUnblockSignals();
+
 	/*
-	 * The launcher only starts sweepers for databases that allow
-	 * connections.  One that stopped allowing them (or became a template)
-	 * since the launcher looked would make the connection FATAL: connect
-	 * anyway, see that, and leave at once without sweeping or reporting
-	 * (the launcher then finds the database not visitable, which is no
-	 * failure).  CREATE or DROP DATABASE waits out such a brief visitor.
+	 * The launcher only starts sweepers for databases that allow connections.
+	 * One that stopped allowing them (or became a template) since the
+	 * launcher looked would make the connection FATAL: connect anyway, see
+	 * that, and leave at once without sweeping or reporting (the launcher
+	 * then finds the database not visitable, which is no failure).  CREATE or
+	 * DROP DATABASE waits out such a brief visitor.
 	 */
 	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid,
 											  BGWORKER_BYPASS_ALLOWCONN);
@@ -360,17 +362,17 @@ idem_sweeper_main(Datum arg)
 
 	/*
 	 * A sweep lost in a crash is simply done again by the next one (a key
-	 * past its retention already behaves as absent), and any claim that
-	 * acts on a sweep's result flushes it with its own commit: the batches
-	 * need not wait for their WAL flush.
+	 * past its retention already behaves as absent), and any claim that acts
+	 * on a sweep's result flushes it with its own commit: the batches need
+	 * not wait for their WAL flush.
 	 */
 	SetConfigOption("synchronous_commit", "off", PGC_SUSET, PGC_S_OVERRIDE);
 
 	/*
 	 * Each batch reads the newest rows and skips what changed since; a
 	 * cluster-wide default of REPEATABLE READ or SERIALIZABLE would instead
-	 * fail batches on rows changed after their snapshot.  Autovacuum does
-	 * the same.
+	 * fail batches on rows changed after their snapshot.  Autovacuum does the
+	 * same.
 	 */
 	SetConfigOption("default_transaction_isolation", "read committed",
 					PGC_SUSET, PGC_S_OVERRIDE);

@@ -71,36 +71,36 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	[WRITE_CLAIM_INSERT] = {CMD_INSERT, ALL_COLUMNS, false},
 	/* a fresh claim over a row past its retention: its checkpoint goes */
 	[WRITE_CLAIM_RENEW] = {CMD_UPDATE,
-		ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY)), false},
+	ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY)), false},
 	/* a takeover: the new attempt resumes from the last checkpoint */
 	[WRITE_CLAIM_TAKEOVER] = {CMD_UPDATE,
 		ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY) |
 						CHECKPOINT_COLUMNS), false},
+
 	/*
-	 * A finished key is bound to no session.  Setting owner_session from
-	 * NULL to NULL changes nothing, so a plain claim's finish stays a HOT
-	 * update.
+	 * A finished key is bound to no session.  Setting owner_session from NULL
+	 * to NULL changes nothing, so a plain claim's finish stays a HOT update.
 	 */
 	[WRITE_FINISH] = {CMD_UPDATE,
 		KEYS_COL_BIT(KEYS_COL_STATUS) | KEYS_COL_BIT(KEYS_COL_RESPONSE_CODE) |
 		KEYS_COL_BIT(KEYS_COL_RESPONSE_BODY) | KEYS_COL_BIT(KEYS_COL_FINISHED_AT) |
 		KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT) |
-		KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION), false},
+	KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION), false},
 	[WRITE_CHECKPOINT] = {CMD_UPDATE, CHECKPOINT_COLUMNS, false},
 	[WRITE_EXTEND] = {CMD_UPDATE,
-		KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT), false},
+	KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT), false},
 	[WRITE_RELEASE] = {CMD_DELETE, 0, false},
 
 	/*
 	 * The sweep locked each key and re-read its row, but a row changed or
 	 * row-locked by plain SQL since is skipped, never waited on: waiting
-	 * could deadlock with, say, an administrator's DELETE that waits for
-	 * this sweep.
+	 * could deadlock with, say, an administrator's DELETE that waits for this
+	 * sweep.
 	 */
 	[WRITE_SWEEP_DELETE] = {CMD_DELETE, 0, true},
 	[WRITE_SWEEP_RESET] = {CMD_UPDATE,
 		KEYS_COL_BIT(KEYS_COL_TOKEN) | KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION),
-		true},
+	true},
 	[WRITE_SWEEP_RESCHEDULE] = {CMD_UPDATE, KEYS_COL_BIT(KEYS_COL_SWEEP_AT), true},
 };
 
@@ -525,12 +525,15 @@ write_sweep_at(const IdemRow *row, TimestampTz due)
 	return Min(row->sweep_at, due);
 }
 
-/* The columns of a new pending attempt, whether inserted or taking a row over. */
+/*
+ * The columns of a new pending attempt, whether inserted or taking a row
+ * over.
+ */
 static void
 write_set_pending_attempt(WriteRow *row, int64 token, int32 attempt,
-			const uint8 *fingerprint, TimestampTz created_at,
-			TimestampTz lease_until, TimestampTz expires_at,
-			Interval *retention, TimestampTz sweep_at, int64 owner_session)
+						  const uint8 *fingerprint, TimestampTz created_at,
+						  TimestampTz lease_until, TimestampTz expires_at,
+						  Interval *retention, TimestampTz sweep_at, int64 owner_session)
 {
 	write_set(row, KEYS_COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
 	write_set(row, KEYS_COL_TOKEN, Int64GetDatum(token));
@@ -565,7 +568,7 @@ idem_write_insert_claim(text *scope, text *key, int64 token,
 	write_set(&row, KEYS_COL_SCOPE, PointerGetDatum(scope));
 	write_set(&row, KEYS_COL_KEY, PointerGetDatum(key));
 	write_set_pending_attempt(&row, token, 1, fingerprint, now, lease_until, expires_at,
-				retention, lease_until, owner_session);
+							  retention, lease_until, owner_session);
 	(void) write_apply(WRITE_CLAIM_INSERT, &row, 1);
 }
 
@@ -585,8 +588,8 @@ idem_write_update_claim(const IdemRow *old, int64 token, int32 attempt,
 
 	write_row_begin(&row, &old->tid);
 	write_set_pending_attempt(&row, token, attempt, fingerprint, created_at, lease_until,
-				expires_at, retention, write_sweep_at(old, lease_until),
-				owner_session);
+							  expires_at, retention, write_sweep_at(old, lease_until),
+							  owner_session);
 	(void) write_apply(attempt > 1 ? WRITE_CLAIM_TAKEOVER : WRITE_CLAIM_RENEW,
 					   &row, 1);
 }
@@ -613,7 +616,7 @@ idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
 	write_set_null(&row, KEYS_COL_LEASE_UNTIL);
 	write_set(&row, KEYS_COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
 	write_set(&row, KEYS_COL_SWEEP_AT,
-			TimestampTzGetDatum(write_sweep_at(old, expires_at)));
+			  TimestampTzGetDatum(write_sweep_at(old, expires_at)));
 	write_set_null(&row, KEYS_COL_OWNER_SESSION);
 	(void) write_apply(WRITE_FINISH, &row, 1);
 }
