@@ -221,7 +221,7 @@ suite_isolation() {
 	time_record isolation "$started"
 }
 
-# pgTAP: each test/*.sql through pg_prove, in a fresh database with the extension.
+# pgTAP: each test/pgtap/*.sql through pg_prove, in a fresh database with the extension.
 suite_pgtap() {
 	local src=$1 cluster=$2 file db n=0
 	shift 2

@@ -4,7 +4,7 @@
 # 204_tenant_isolation.pl: scope bindings confine a tenant role to its scope
 # prefix, and nothing a tenant can do from its own session lifts that.
 # (The plain privilege model, search_path attacks and the app role without
-# bindings are covered by test/privileges.sql and test/search_path.sql.)
+# bindings are covered by test/pgtap/privileges.sql and test/pgtap/search_path.sql.)
 #
 # What it proves, with tenants that log in as themselves:
 #   - a role bound to 'a:' gets 42501 from idem_claim, idem_finish,

@@ -29,7 +29,7 @@ our @EXPORT = qw(
   sql_result sqlstate_of
   $CLAIM_COLS parse_claim claim replay_row mismatch_row body_md5 stored_row
   key_rows finish_key expiring_keys
-  $CLAIM_SIG catalog_queries grant_claim_per_role revoke_claim_per_role
+  $CLAIM_FN catalog_queries grant_claim_per_role revoke_claim_per_role
   stale_initacl_deps
   wait_lease_over wait_past_retention wait_commits wait_next_sweep
   launcher_pid restart_launcher fail_sweeps_in log_errors
@@ -349,8 +349,9 @@ sub catalog_queries
 	);
 }
 
-# idem_claim's signature, as regprocedure input and in GRANT and REVOKE.
-our $CLAIM_SIG = 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval)';
+# idem_claim by its name alone, in GRANT, REVOKE and as regproc input: every
+# version has one function of that name, whose arguments changed in 1.4.
+our $CLAIM_FN = 'idempotency.idem_claim';
 
 # The privileges an administrator may set on idem_claim, in $db: EXECUTE
 # revoked from PUBLIC and granted to regress_lead with the grant option and
@@ -361,11 +362,11 @@ sub grant_claim_per_role
 	my ($node, $db) = @_;
 	$node->safe_psql($db, qq{
 GRANT USAGE ON SCHEMA idempotency TO regress_lead, regress_worker, "Regress App";
-REVOKE EXECUTE ON FUNCTION $CLAIM_SIG FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION $CLAIM_SIG TO regress_lead WITH GRANT OPTION;
-GRANT EXECUTE ON FUNCTION $CLAIM_SIG TO "Regress App";
+REVOKE EXECUTE ON FUNCTION $CLAIM_FN FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION $CLAIM_FN TO regress_lead WITH GRANT OPTION;
+GRANT EXECUTE ON FUNCTION $CLAIM_FN TO "Regress App";
 SET ROLE regress_lead;
-GRANT EXECUTE ON FUNCTION $CLAIM_SIG TO regress_worker;
+GRANT EXECUTE ON FUNCTION $CLAIM_FN TO regress_worker;
 RESET ROLE;
 });
 	return;
@@ -378,9 +379,9 @@ sub revoke_claim_per_role
 	my ($node, $db) = @_;
 	$node->safe_psql($db, qq{
 SET ROLE regress_lead;
-REVOKE EXECUTE ON FUNCTION $CLAIM_SIG FROM regress_worker;
+REVOKE EXECUTE ON FUNCTION $CLAIM_FN FROM regress_worker;
 RESET ROLE;
-REVOKE EXECUTE ON FUNCTION $CLAIM_SIG FROM regress_lead, "Regress App";
+REVOKE EXECUTE ON FUNCTION $CLAIM_FN FROM regress_lead, "Regress App";
 REVOKE USAGE ON SCHEMA idempotency FROM regress_lead, regress_worker, "Regress App";
 });
 	return;
