@@ -5,7 +5,7 @@
  *
  * Each .c file includes postgres.h first, then this.  Its sections, in
  * order, declare what each part offers the others:
- *	  idempotency.c  module entry point: _PG_init calls each part's init;
+ *	  module.c       module entry point: _PG_init calls each part's init;
  *	                 the shared-memory registry; idem_version()
  *	  (statuses)     a key's status and its SQL name
  *	  guc.c          the idempotency.* settings
@@ -56,11 +56,11 @@
 #define IDEM_MAX_KEY_CHARS		255
 #define IDEM_FINGERPRINT_LEN	32	/* SHA-256 */
 
-/* ---- idempotency.c ---- */
+/* ---- module.c ---- */
 
 /*
  * A part's shared memory, created once at server start by the registry in
- * idempotency.c: its name (ShmemInitStruct's key), its size, and how the
+ * module.c: its name (ShmemInitStruct's key), its size, and how the
  * part keeps its address and, the first time ("found" false), fills it in.
  * A part defines one of these; the registry lists it.
  */

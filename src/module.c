@@ -1,6 +1,6 @@
 /*-------------------------------------------------------------------------
  *
- * idempotency.c
+ * module.c
  *	  Module entry point of the idempotency extension.
  *
  * Owns _PG_init, the shared-memory registry (every part's shared memory,
