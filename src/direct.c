@@ -216,7 +216,25 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 	ResetPerTupleExprContext(direct->estate);
 	/* A publication that publishes updates needs the replica identity. */
 	CheckCmdReplicaIdentity(direct->heap, CMD_UPDATE);
-	if (!table_tuple_fetch_row_version(direct->heap, &otid, SnapshotAny, old))
+	if (!wait)
+	{
+		/*
+		 * The table AM's update has no "no wait": it waits for a row that
+		 * another transaction changes or locks (and an assert-enabled server
+		 * stops on the request).  So a write that must not wait first locks
+		 * the row as SELECT ... FOR UPDATE SKIP LOCKED does, which also reads
+		 * it; the update then finds it locked by this transaction alone and
+		 * does not wait.  A row that only this transaction locks is locked at
+		 * once.
+		 */
+		result = table_tuple_lock(direct->heap, &otid, InvalidSnapshot, old,
+								  GetCurrentCommandId(true),
+								  LockTupleExclusive, LockWaitSkip, 0, &tmfd);
+		if (result != TM_Ok)
+			return direct_result(result, "locking");
+	}
+	else if (!table_tuple_fetch_row_version(direct->heap, &otid, SnapshotAny,
+											old))
 		return IDEM_DIRECT_GONE;
 
 	/*
@@ -237,19 +255,11 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 	ExecStoreVirtualTuple(slot);
 	direct_check(direct);
 
-	/* without "wait", a second try with it for a row only we row-lock */
-	for (;;)
-	{
-		result = table_tuple_update(direct->heap, &otid, slot,
-									GetCurrentCommandId(true),
-									ActiveSnapshotSet() ? GetActiveSnapshot() : InvalidSnapshot,
-									InvalidSnapshot, wait, &tmfd, &lockmode,
-									&update_indexes);
-		if (wait || result != TM_BeingModified ||
-			!direct_locked_only_by_me(direct->heap, &otid))
-			break;
-		wait = true;
-	}
+	result = table_tuple_update(direct->heap, &otid, slot,
+								GetCurrentCommandId(true),
+								ActiveSnapshotSet() ? GetActiveSnapshot() : InvalidSnapshot,
+								InvalidSnapshot, true, &tmfd, &lockmode,
+								&update_indexes);
 	done = direct_result(result, "updating");
 	ExecClearTuple(old);
 	if (done != IDEM_DIRECT_DONE)
