@@ -13,7 +13,7 @@
 # palloc memory is reported; without valgrind it costs nothing).  It never
 # uses an installed package (Debian's are built without assertions), goes
 # into its own cache directory, MAJOR-cassert, and keeps the source's
-# src/tools/valgrind.supp there as share/valgrind.supp.
+# src/tools/valgrind.supp in its share directory (pg_config --sharedir).
 #
 # Where PostgreSQL comes from, first match wins:
 #   1. an installed server package (PGDG or Debian): postgresql-MAJOR with
@@ -165,7 +165,7 @@ rm -rf "$prefix"
 	make -s -C contrib/pageinspect install >/dev/null
 	# valgrind's suppressions for PostgreSQL's deliberate tricks (scripts/memcheck valgrind)
 	if ((cassert)); then
-		cp src/tools/valgrind.supp "$prefix/share/valgrind.supp"
+		cp src/tools/valgrind.supp "$("$prefix/bin/pg_config" --sharedir)/valgrind.supp"
 	fi
 	# pgindent's formatter, for ./run indent
 	if [[ -d src/tools/pg_bsd_indent ]]; then
