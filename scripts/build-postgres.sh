@@ -4,6 +4,16 @@
 # the install prefix on stdout; says where the sources came from on stderr.
 #
 #   scripts/build-postgres.sh 18          # prints the install prefix
+#   scripts/build-postgres.sh --cassert 17
+#
+# --cassert builds the assertion-enabled flavour that scripts/memcheck runs
+# the suites against: --enable-cassert --enable-debug, CFLAGS "-O1 -g
+# -fno-omit-frame-pointer -DUSE_VALGRIND" (memory contexts then tell valgrind
+# which palloc chunks are allocated, so a read of freed or uninitialised
+# palloc memory is reported; without valgrind it costs nothing).  It never
+# uses an installed package (Debian's are built without assertions), goes
+# into its own cache directory, MAJOR-cassert, and keeps the source's
+# src/tools/valgrind.supp in its share directory (pg_config --sharedir).
 #
 # Where PostgreSQL comes from, first match wins:
 #   1. an installed server package (PGDG or Debian): postgresql-MAJOR with
@@ -28,20 +38,30 @@
 # failed, with a one-line reason on stderr ("build-postgres: ..."); 2 usage.
 set -euo pipefail
 
-major=${1:?usage: scripts/build-postgres.sh MAJOR}
+cassert=0
+if [[ ${1:-} == --cassert ]]; then
+	cassert=1
+	shift
+fi
+major=${1:?usage: scripts/build-postgres.sh [--cassert] MAJOR}
 [[ $major =~ ^[0-9]+$ ]] || { echo "build-postgres: MAJOR must be a number, got '$major'" >&2; exit 2; }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${IDEM_PG_CACHE:-/var/cache/idempotency-pg}
 vendor=${IDEM_PG_VENDOR:-$(cd "$root/.." && pwd)/shared/vendor}
 pins=${IDEM_PG_PINS:-$root/scripts/postgres-sources}
 prefix=$cache/$major
+configure_extra=()
+if ((cassert)); then
+	prefix=$cache/$major-cassert
+	configure_extra=(--enable-cassert CFLAGS="-O1 -g -fno-omit-frame-pointer -DUSE_VALGRIND")
+fi
 
 say() { echo "== build-postgres $major: $*" >&2; }
 die() { echo "build-postgres: $*" >&2; exit 1; }
 
 # 1. An installed server package.
 pkg=/usr/lib/postgresql/$major
-if [[ -z ${IDEM_PG_SOURCE_ONLY:-} && -x $pkg/bin/pg_config && -x $pkg/bin/pg_ctl ]]; then
+if [[ -z ${IDEM_PG_SOURCE_ONLY:-} && $cassert -eq 0 && -x $pkg/bin/pg_config && -x $pkg/bin/pg_ctl ]]; then
 	say "PostgreSQL $("$pkg/bin/pg_config" --version | awk '{print $2}') from the installed package ($pkg)"
 	echo "$pkg"
 	exit 0
@@ -51,6 +71,9 @@ fi
 read -r _ version file sha < <(awk -v m="$major" '$1 == m { print; exit }' "$pins") ||
 	die "PostgreSQL $major is not pinned in ${pins#"$root"/} (no line for it)"
 stamp="$version $file sha256:$sha"
+if ((cassert)); then
+	stamp="$stamp cassert"
+fi
 
 if [[ -z ${IDEM_PG_SOURCE_ONLY:-} && -x $prefix/bin/pg_config && -f $prefix/.built &&
 	$(cat "$prefix/.built") == "$stamp" ]]; then
@@ -131,7 +154,7 @@ rm -rf "$prefix"
 (
 	cd "$srcdir"
 	./configure --prefix="$prefix" --with-openssl --enable-tap-tests --enable-debug \
-		>"$work/configure.log" 2>&1 ||
+		"${configure_extra[@]}" >"$work/configure.log" 2>&1 ||
 		{ tail -n 30 "$work/configure.log" >&2; exit 1; }
 	make -s -j "$(nproc)" >"$work/make.log" 2>&1 || { tail -n 30 "$work/make.log" >&2; exit 1; }
 	make -s install >/dev/null
@@ -140,6 +163,10 @@ rm -rf "$prefix"
 	make -s -C src/test/perl install >/dev/null
 	make -s -C contrib/amcheck install >/dev/null
 	make -s -C contrib/pageinspect install >/dev/null
+	# valgrind's suppressions for PostgreSQL's deliberate tricks (scripts/memcheck valgrind)
+	if ((cassert)); then
+		cp src/tools/valgrind.supp "$("$prefix/bin/pg_config" --sharedir)/valgrind.supp"
+	fi
 	# pgindent's formatter, for ./run indent
 	if [[ -d src/tools/pg_bsd_indent ]]; then
 		make -s -C src/tools/pg_bsd_indent >/dev/null && cp src/tools/pg_bsd_indent/pg_bsd_indent "$prefix/bin/"

@@ -44,7 +44,8 @@
 #   pgbouncer_stop <dir>                stop it (by its pid file)
 #
 # Settings (environment): PG_BIN (default /usr/lib/postgresql/15/bin),
-# PG_OS_USER (default postgres).
+# PG_OS_USER (default postgres), PGCTLTIMEOUT (seconds pg_ctl waits for a
+# start or a stop, default 60; a server under valgrind needs more).
 
 : "${PG_BIN:=/usr/lib/postgresql/15/bin}"
 : "${PG_OS_USER:=postgres}"
@@ -98,7 +99,7 @@ cluster_start() {
 	echo "$port" >"$dir/port"
 	CLUSTER_STARTED+=("$dir")
 	if ! (cd / && as_postgres "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/server.log" \
-		-w -t 60 -s start); then
+		-w -t "${PGCTLTIMEOUT:-60}" -s start); then
 		echo "cluster.sh: could not start the cluster in $dir; its log:" >&2
 		cat "$dir/server.log" >&2 || true
 		return 1
@@ -109,7 +110,7 @@ cluster_start() {
 cluster_stop() {
 	local dir=$1
 	[[ -f $dir/data/postmaster.pid ]] || return 0
-	(cd / && as_postgres "$PG_BIN/pg_ctl" -D "$dir/data" -m fast -w -t 60 -s stop) ||
+	(cd / && as_postgres "$PG_BIN/pg_ctl" -D "$dir/data" -m fast -w -t "${PGCTLTIMEOUT:-60}" -s stop) ||
 		(cd / && as_postgres "$PG_BIN/pg_ctl" -D "$dir/data" -m immediate -w -s stop) ||
 		true
 }
