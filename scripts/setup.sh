@@ -12,6 +12,11 @@
 #   setup_build_install <dir>           make clean, make and make install in <dir>
 #   setup_make_var <dir> <VAR>          print a variable of <dir>/Makefile
 #                                       (e.g. REGRESS, ISOLATION)
+#   setup_run_option <word...>          the options scripts/soak.sh and
+#                                       scripts/fuzz.sh share: --keep,
+#                                       --no-build, --out DIR
+#   setup_scratch <name> <root>         their start: the scratch directory
+#                                       WORK (removed at exit), and the build
 #
 # Settings (environment): PG_CONFIG (default
 # /usr/lib/postgresql/15/bin/pg_config).  SETUP_MAKE_FLAGS (an array, empty
@@ -94,4 +99,56 @@ setup_make_var() {
 	make -s --no-print-directory -C "$dir" -f Makefile \
 		-f <(printf '_print_var:\n\t@echo $(%s)\n' "$var") \
 		PG_CONFIG="$PG_CONFIG" "${SETUP_MAKE_FLAGS[@]}" _print_var
+}
+
+# Parse one option that scripts/soak.sh and scripts/fuzz.sh share, from the
+# words given: --keep (KEEP=1), --no-build (BUILD=0) or --out DIR (out=DIR).
+# Sets SETUP_SHIFT to the number of words it took; returns 1 for any other
+# word, or --out without a directory.
+setup_run_option() {
+	case $1 in
+	--keep) KEEP=1 SETUP_SHIFT=1 ;;
+	--no-build) BUILD=0 SETUP_SHIFT=1 ;;
+	--out)
+		[[ -n ${2:-} ]] || return 1
+		# shellcheck disable=SC2034 # read by the script that sourced this
+		out=$2 SETUP_SHIFT=2
+		;;
+	*) return 1 ;;
+	esac
+}
+
+# The start of scripts/<name>.sh: PG_BIN from PG_CONFIG, amcheck (its
+# checks need it), the scratch directory WORK, whose clusters are stopped
+# (by data directory) and which is removed at exit (kept with KEEP=1), and
+# unless BUILD=0 the extension built from a copy of <root> with
+# SETUP_MAKE_FLAGS and installed into PG_CONFIG's PostgreSQL.
+setup_scratch() {
+	local name=$1 root=$2
+	# shellcheck disable=SC2034 # read by scripts/cluster.sh
+	PG_BIN=$("$PG_CONFIG" --bindir)
+	if [[ ! -f $("$PG_CONFIG" --sharedir)/extension/amcheck.control ]]; then
+		echo "$name: amcheck is not installed in $("$PG_CONFIG" --sharedir)/extension" >&2
+		exit 1
+	fi
+	WORK=$(mktemp -d "/tmp/idempotency-$name.XXXXXX")
+	chmod 755 "$WORK"
+	trap setup_scratch_cleanup EXIT
+	trap 'exit 130' INT TERM
+	if ((BUILD)); then
+		setup_copy_tree "$root" "$WORK/src"
+		setup_build_install "$WORK/src"
+	fi
+}
+
+# At exit of a script that called setup_scratch: stop its clusters, then
+# remove WORK unless KEEP is 1.
+# shellcheck disable=SC2317 # called by the EXIT trap
+setup_scratch_cleanup() {
+	cluster_stop_all >/dev/null 2>&1 || true
+	if [[ -n $WORK && $KEEP -eq 0 ]]; then
+		rm -rf "$WORK"
+	elif [[ -n $WORK ]]; then
+		echo "== kept: $WORK"
+	fi
 }

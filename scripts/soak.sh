@@ -53,44 +53,17 @@ while (($#)); do
 		esac
 		shift 2
 		;;
-	--keep) KEEP=1 && shift ;;
-	--no-build) BUILD=0 && shift ;;
-	--out)
-		[[ -n ${2:-} ]] || usage
-		out=$2
-		shift 2
+	*)
+		setup_run_option "$@" || usage
+		shift "$SETUP_SHIFT"
 		;;
-	*) usage ;;
 	esac
 done
 
-# shellcheck disable=SC2317 # called by the EXIT trap
-cleanup() {
-	cluster_stop_all >/dev/null 2>&1 || true
-	if [[ -n $WORK && $KEEP -eq 0 ]]; then
-		rm -rf "$WORK"
-	elif [[ -n $WORK ]]; then
-		echo "== kept: $WORK"
-	fi
-}
-
 setup_require_root
 setup_packages gnuplot-nox python3-psycopg
-PG_BIN=$("$PG_CONFIG" --bindir)
-if [[ ! -f $("$PG_CONFIG" --sharedir)/extension/amcheck.control ]]; then
-	echo "soak: amcheck is not installed in $("$PG_CONFIG" --sharedir)/extension" >&2
-	exit 1
-fi
-WORK=$(mktemp -d /tmp/idempotency-soak.XXXXXX)
-chmod 755 "$WORK"
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-if ((BUILD)); then
-	setup_copy_tree "$ROOT" "$WORK/src"
-	read -ra SETUP_MAKE_FLAGS <<<"${IDEM_SOAK_MAKE_FLAGS:-}"
-	setup_build_install "$WORK/src"
-fi
+read -ra SETUP_MAKE_FLAGS <<<"${IDEM_SOAK_MAKE_FLAGS:-}"
+setup_scratch soak "$ROOT"
 
 mkdir -p "$out"
 dir="$WORK/cluster"

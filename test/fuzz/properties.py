@@ -1,0 +1,854 @@
+#!/usr/bin/python3
+"""test/fuzz/properties.py: a property-based fuzzer of the extension's SQL API.
+
+Several worker processes, each with connections of its own, draw calls of
+every SQL function of the extension with Hypothesis (idem_claim, idem_finish,
+idem_extend, idem_release, idem_checkpoint, idem_claim_many,
+idem_finish_many, idem_lookup, idem_sweep, idem_version, stats_reset,
+bind_scope, unbind_scope, distribute, the stats and cluster_stats views):
+NULLs, empty and 254..256-character keys, odd Unicode (combining marks,
+right-to-left marks, emoji, U+FFFF, U+10FFFF), NUL and invalid UTF-8 sent as
+bytes, zero, negative, sub-microsecond, over-10,000-year and infinite
+intervals, huge and deeply nested jsonb, arrays with NULLs, of mismatched
+lengths or of two dimensions, the keys' real and stale tokens next to random
+and extreme ones (0, -1, 2^63-1, -2^63), keys in every state.  Each call runs
+in one of: autocommit, an explicit transaction (committed or rolled back), a
+READ ONLY transaction, a savepoint rolled back to, a transaction with a 1-5 ms
+statement_timeout, a REPEATABLE READ transaction.
+
+Properties:
+  P1 no connection is lost and the postmaster never restarts;
+  P2 every error's SQLSTATE is one docs/api.md documents for that function
+     (57014 under a statement_timeout, 40001 under REPEATABLE READ, 25006 in
+     a READ ONLY transaction, 22021 for text sent as invalid bytes);
+  P3 a call that failed, or whose transaction or savepoint rolled back,
+     changed no row of the keys it names, in the worker's own scope (no
+     other worker touches it; the background worker may, and what it may do
+     is told apart: delete a key past its retention, reset a pending one's
+     token, move sweep_at);
+  P4 in a READ ONLY transaction every function that writes fails, with
+     25006 unless its arguments are bad (they are checked first);
+  P5 (--amcheck) idempotency.keys and its indexes pass amcheck.
+
+Each worker records a failure and goes on instead of raising: the table
+moves under the test, so a shrunk example would not replay the same state.
+The time budget (--minutes) decides how long it runs; the summary counts
+calls and errors per function, properties checked and failures, and the exit
+status is 1 on any failure.  Connects as fuzz_app / fuzz_tenant (made by
+test/fuzz/setup.sql) and as postgres to read the table.
+"""
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+
+# Hypothesis keeps a directory of its own; not in the tree this runs from
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      os.path.join(tempfile.gettempdir(), "idempotency-fuzz-hypothesis"))
+
+import psycopg  # noqa: E402 - after the setting above
+from psycopg.types.string import TextLoader  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import seed as hypothesis_seed  # noqa: E402
+
+# --------------------------------------------------------------------------
+# The documented SQLSTATEs (docs/api.md, "Errors and SQLSTATEs").
+# --------------------------------------------------------------------------
+BAD_ARGS = {"22004", "22023", "22001"}
+TOKEN_STATES = {"P0002", "55000", "55006", "55P03"}
+ALLOWED = {
+    "idem_claim": BAD_ARGS | {"42501"},
+    "idem_claim_many": BAD_ARGS | {"42501"},
+    "idem_finish": BAD_ARGS | TOKEN_STATES | {"54000", "40P01", "42501"},
+    "idem_finish_many": BAD_ARGS | TOKEN_STATES | {"54000", "40P01", "42501"},
+    "idem_extend": BAD_ARGS | TOKEN_STATES | {"40P01", "42501"},
+    "idem_release": BAD_ARGS | TOKEN_STATES | {"42501"},
+    "idem_checkpoint": BAD_ARGS | TOKEN_STATES | {"54000", "42501"},
+    "idem_lookup": BAD_ARGS | {"42501"},
+    "idem_sweep": {"22023", "42501"},
+    "idem_version": set(),
+    "stats": set(),
+    "cluster_stats": set(),
+    "stats_reset": {"42501"},
+    "bind_scope": {"42501"},
+    "unbind_scope": {"42501"},
+    # no Citus here: 55000 with a hint
+    "distribute": {"55000", "42501", "22023"},
+}
+# What a bound tenant may always meet: a scope outside its prefix, or a
+# function not granted to it.
+TENANT_ONLY = {"42501"}
+# Functions that write: refused in a READ ONLY transaction (P4).
+WRITERS = {"idem_claim", "idem_claim_many", "idem_finish", "idem_finish_many",
+           "idem_extend", "idem_release", "idem_checkpoint", "idem_sweep",
+           "stats_reset", "bind_scope", "unbind_scope"}
+# Read only through the snapshot: no serialization failure to expect.
+READERS = {"idem_lookup", "idem_version", "stats", "cluster_stats"}
+# The SQLSTATEs of a lost connection or a server going down.
+CONNECTION_LOST = {"57P01", "57P02", "57P03", "08006", "08003", "08000"}
+
+FUNCTIONS = sorted(ALLOWED)
+STATES = ["pending", "lease-ended", "checkpointed", "succeeded", "failed",
+          "released", "retention-passed", "session-live", "session-ended",
+          "claimed-in-batch"]
+CONTEXTS = ["autocommit", "commit", "rollback", "readonly", "savepoint",
+            "timeout", "repeatable_read"]
+OMIT = object()  # an argument left out: its default applies
+
+# --------------------------------------------------------------------------
+# Strategies: abstract choices, resolved against the worker's keys at run
+# time (a key's token exists only once it has been claimed).
+# --------------------------------------------------------------------------
+ODD = ["\u0301", "\u200f", "\u202e", "\U0001F600", "\uffff", "\U0010FFFF",
+       "'", '"', "\\", "%", "\n", "\t", " ", "é", "ß", "\u05d0", "\ufeff"]
+odd_text = st.text(alphabet=st.one_of(
+    st.sampled_from(ODD),
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")),
+    max_size=40)
+
+
+def sized(n):
+    """A text of exactly n characters, multi-byte ones included."""
+    return st.sampled_from(["x", "é", "\U0001F600", "\u0301"]).map(lambda c: c * n)
+
+
+texts = st.one_of(odd_text, st.sampled_from(["", "%s%n%x", "' OR 1=1 --", "\u202eevil"]),
+                  sized(254), sized(255), sized(256), sized(300))
+# ('own', i): a key of the worker's own scope in state STATES[i % n];
+# ('shared', i): one of the keys every worker uses; ('new', text): a key
+# nobody claimed; ('raw', bytes): text sent as bytes, NUL or bad UTF-8 in it.
+key_choice = st.one_of(
+    st.tuples(st.just("own"), st.integers(0, 1000)),
+    st.tuples(st.just("own"), st.integers(0, 1000)),
+    st.tuples(st.just("own"), st.integers(0, 1000)),
+    st.tuples(st.just("shared"), st.integers(0, 7)),
+    st.tuples(st.just("new"), texts),
+    st.just(("null",)),
+    st.tuples(st.just("raw"), st.sampled_from([b"a\x00b", b"\xff\xfe", b"\xc3", b"ok"])),
+)
+scope_choice = st.one_of(
+    st.just(("own",)), st.just(("own",)), st.just(("own",)),
+    st.just(("shared",)), st.just(("seed",)), st.just(("tenant",)),
+    st.just(("null",)), st.tuples(st.just("new"), texts),
+)
+token_choice = st.one_of(
+    st.just(("current",)), st.just(("current",)), st.just(("stale",)),
+    st.just(("null",)),
+    st.tuples(st.just("int"), st.sampled_from([0, -1, 1, 2**63 - 1, -2**63])),
+    st.tuples(st.just("int"), st.integers(-2**63, 2**63 - 1)),
+)
+INTERVALS = ["1 millisecond", "1 microsecond", "0.4 microseconds", "0", "-1 second",
+             "1 second", "30 seconds", "1 hour", "1 day", "1 mon", "9999 years",
+             "10000 years", "10001 years", "177000000 years", "-177000000 years",
+             "infinity", "-infinity", "1 year -1 second"]
+# valid values are drawn as often as hostile ones, so that calls also get
+# past the argument checks to the keys
+SANE_INTERVALS = ["1 hour", "30 seconds", "1 millisecond", "1 day"]
+interval = st.one_of(st.just(None), st.sampled_from(INTERVALS), st.sampled_from(SANE_INTERVALS))
+# a wait never longer than 50 ms: a worker must not sit on a shared key's lease
+waits = st.one_of(st.just(None), st.sampled_from(
+    ["0", "1 millisecond", "50 milliseconds", "-1 second", "-infinity"]))
+JSON_KINDS = ["null-sql", "json-null", "small", "object", "unicode", "nested100",
+              "nested10000", "huge", "limit-edge", "number-scale"]
+jsonb = st.one_of(st.sampled_from(JSON_KINDS), st.sampled_from(["small", "null-sql"]))
+statuses = st.one_of(st.just(None), st.sampled_from(
+    ["succeeded", "failed", "", "SUCCEEDED", "succeeded ", "pending", "fail"]), odd_text,
+    st.sampled_from(["succeeded", "failed"]), st.sampled_from(["succeeded", "failed"]))
+phases = st.one_of(st.just(None), st.just("step-1"), st.just("step-2"), texts)
+int4 = st.one_of(st.just(None), st.sampled_from([0, -1, 200, 2**31 - 1, -2**31]),
+                 st.integers(-2**31, 2**31 - 1))
+bools = st.sampled_from([None, True, False, False])
+
+
+def arg(strategy):
+    """An argument that is sometimes left out (its default applies)."""
+    return st.one_of(st.just(OMIT), strategy, strategy)
+
+
+def batch(of):
+    """A batch argument: NULL, empty, a list (NULL elements possible), 2-D."""
+    return st.one_of(
+        st.just(None), st.just([]),
+        st.lists(st.one_of(of, of, of, st.just(("null",))), min_size=1, max_size=6),
+        st.tuples(st.just("2d"), st.lists(of, min_size=2, max_size=2)),
+    )
+
+
+CALLS = {
+    "idem_claim": st.fixed_dictionaries({
+        "key": key_choice, "request": arg(jsonb), "scope": arg(scope_choice),
+        "lease": arg(interval), "retention": arg(interval), "wait": arg(waits),
+        "session_bound": arg(bools)}),
+    "idem_finish": st.fixed_dictionaries({
+        "key": key_choice, "token": token_choice, "response_code": arg(int4),
+        "response_body": arg(jsonb), "scope": arg(scope_choice), "status": arg(statuses),
+        "retention": arg(interval)}),
+    "idem_extend": st.fixed_dictionaries({
+        "key": key_choice, "token": token_choice, "lease": arg(interval),
+        "scope": arg(scope_choice)}),
+    "idem_release": st.fixed_dictionaries({
+        "key": key_choice, "token": token_choice, "scope": arg(scope_choice)}),
+    "idem_checkpoint": st.fixed_dictionaries({
+        "key": key_choice, "token": token_choice, "phase": phases,
+        "data": arg(jsonb), "scope": arg(scope_choice)}),
+    "idem_claim_many": st.fixed_dictionaries({
+        "keys": batch(key_choice), "requests": arg(batch(jsonb)),
+        "scope": arg(scope_choice), "lease": arg(interval), "retention": arg(interval),
+        "session_bound": arg(bools)}),
+    "idem_finish_many": st.fixed_dictionaries({
+        "keys": batch(key_choice), "tokens": batch(token_choice),
+        "response_codes": arg(batch(int4)), "response_bodies": arg(batch(jsonb)),
+        "scope": arg(scope_choice), "status": arg(statuses), "retention": arg(interval)}),
+    "idem_lookup": st.fixed_dictionaries({"key": key_choice, "scope": arg(scope_choice)}),
+    "idem_sweep": st.fixed_dictionaries({"batch_size": arg(st.one_of(
+        st.just(None), st.sampled_from([0, -1, 1, 10, 1000, 2**31 - 1])))}),
+    "idem_version": st.just({}),
+    "stats": st.just({}),
+    "cluster_stats": st.just({}),
+    "stats_reset": st.just({}),
+    # the tenant's role is bound only to prefixes of its workers' scopes
+    # (or unbound), so that its worker keeps reaching its own keys
+    "bind_scope": st.one_of(
+        st.fixed_dictionaries({"role": st.just("fuzz_nobody"),
+                               "scope_prefix": st.one_of(st.just(None), texts)}),
+        st.fixed_dictionaries({"role": st.just("fuzz_tenant"),
+                               "scope_prefix": st.sampled_from(["tenant:", "tenant:w", "", None])})),
+    "unbind_scope": st.fixed_dictionaries({
+        "role": st.sampled_from(["fuzz_nobody", "fuzz_tenant"])}),
+    "distribute": st.fixed_dictionaries({"shard_count": arg(int4)}),
+}
+# the key functions are drawn more often than the rest
+WEIGHTED = (["idem_claim"] * 6 + ["idem_finish"] * 5 + ["idem_extend"] * 3 +
+            ["idem_release"] * 3 + ["idem_checkpoint"] * 3 + ["idem_claim_many"] * 3 +
+            ["idem_finish_many"] * 3 + ["idem_lookup"] * 2 + ["idem_sweep"] +
+            [f for f in FUNCTIONS if not f.startswith("idem_")] + ["idem_version"])
+call_strategy = st.sampled_from(WEIGHTED).flatmap(
+    lambda fn: st.tuples(st.just(fn), CALLS[fn]))
+context_strategy = st.tuples(st.sampled_from(CONTEXTS), st.integers(1, 5))
+
+
+# --------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------
+def nested(depth):
+    return "[" * depth + "1" + "]" * depth
+
+
+JSON_CACHE = {}
+
+
+def json_text(kind, max_size):
+    """The jsonb text of a JSON_KINDS choice (None: SQL NULL)."""
+    if kind == "null-sql":
+        return None
+    if kind not in JSON_CACHE:
+        JSON_CACHE[kind] = {
+            "json-null": "null",
+            "small": '{"amount": 100}',
+            "object": '{"b": [1, 2, {"c": null}], "a": "x"}',
+            "unicode": json.dumps({"k\u0301": "\U0001F600\u202e\uffff", "": ""}),
+            "nested100": nested(100),
+            "nested10000": nested(10000),
+            "huge": json.dumps({"blob": "x" * (max_size + 1000)}),
+            # within a few bytes of the limit: either side of it
+            "limit-edge": json.dumps({"blob": "y" * (max_size - 14)}),
+            "number-scale": '{"amount": 100.0}',
+        }[kind]
+    return JSON_CACHE[kind]
+
+
+class Failure(Exception):
+    pass
+
+
+class Worker:
+    """One worker process: its connections, its keys, its tallies."""
+
+    def __init__(self, idx, opts):
+        self.idx = idx
+        self.opts = opts
+        self.role = "fuzz_tenant" if idx == opts.workers - 1 and opts.workers > 1 else "fuzz_app"
+        self.own_scope = f"tenant:w{idx}" if self.role == "fuzz_tenant" else f"w{idx}"
+        self.conn = self.connect(self.role)
+        self.su = self.connect("postgres")   # reads the table for P3
+        self.side = self.connect(self.role)  # holds live session-bound claims
+        self.max_size = self.response_limit()
+        self.pg_version = self.su.execute("SHOW server_version_num").fetchone()[0]
+        self.tokens = {}         # (scope, key) -> [tokens, newest last]
+        self.own = []            # own keys, one per STATES entry of a generation
+        self.generation = 0
+        self.calls = collections.Counter()
+        self.ok = collections.Counter()
+        self.errors = collections.defaultdict(collections.Counter)
+        self.contexts = collections.Counter()
+        self.checked = collections.Counter()
+        self.failures = []       # the first of each kind, with its call
+        self.failure_count = collections.Counter()
+        self.examples = 0
+        self.make_states()
+
+    def response_limit(self):
+        row = self.su.execute("SELECT setting, unit FROM pg_catalog.pg_settings "
+                              "WHERE name = 'idempotency.max_response_size'").fetchone()
+        mult = {"B": 1, "kB": 1024, "MB": 1024 ** 2}.get(row[1], 1)
+        return int(row[0]) * mult
+
+    def connect(self, user):
+        conn = psycopg.connect(host=self.opts.host, port=self.opts.port,
+                               dbname=self.opts.dbname, user=user, autocommit=True,
+                               application_name=f"fuzz-properties-{self.idx}")
+        # times past year 9999 (a retention of 9999 years) are valid in
+        # PostgreSQL and not in Python: results are read as text
+        for typ in ("timestamptz", "timestamp", "interval"):
+            conn.adapters.register_loader(typ, TextLoader)
+        return conn
+
+    # -- keys in every state, in the worker's own scope ----------------------
+    def make_states(self):
+        """Claim a new generation of own keys, one in each state."""
+        g = self.generation
+        self.generation += 1
+        s = self.own_scope
+        keys = []
+        c = self.conn
+        for state in STATES:
+            k = f"{self.opts.run_id}-g{g}-{state}"
+            keys.append(k)
+            if state == "session-live":
+                tok = self.claim_token(self.side, k, "'1 hour'", True)
+            elif state == "session-ended":
+                tmp = self.connect(self.role)
+                tok = self.claim_token(tmp, k, "'1 hour'", True)
+                tmp.close()
+            elif state == "claimed-in-batch":
+                tok = c.execute("SELECT token FROM idempotency.idem_claim_many(%s, scope => %s)",
+                                ([k], s)).fetchone()[0]
+            else:
+                lease = "'1 millisecond'" if state == "lease-ended" else "'1 hour'"
+                tok = self.claim_token(c, k, lease, False)
+            self.remember(s, k, tok)
+            if state == "checkpointed":
+                c.execute("SELECT idempotency.idem_checkpoint(%s, %s, 'step-1', '{\"id\": 1}', %s)",
+                          (k, tok, s))
+            elif state in ("succeeded", "failed"):
+                c.execute("SELECT idempotency.idem_finish(%s, %s, 200, '{}', %s, %s)",
+                          (k, tok, s, state))
+            elif state == "released":
+                c.execute("SELECT idempotency.idem_release(%s, %s, %s)", (k, tok, s))
+            elif state == "retention-passed":
+                c.execute("SELECT idempotency.idem_finish(%s, %s, scope => %s, "
+                          "retention => '1 millisecond')", (k, tok, s))
+        self.own = keys
+
+    def claim_token(self, conn, key, lease, bound):
+        return conn.execute(
+            f"SELECT token FROM idempotency.idem_claim(%s, '{{\"n\": 1}}', %s, {lease}, "
+            "session_bound => %s)", (key, self.own_scope, bound)).fetchone()[0]
+
+    def remember(self, scope, key, token):
+        if token is not None and isinstance(scope, str) and isinstance(key, str):
+            self.tokens.setdefault((scope, key), []).append(token)
+
+    # -- resolving the drawn choices -----------------------------------------
+    def scope_value(self, choice):
+        kind = choice[0]
+        return {"own": self.own_scope, "shared": "shared", "seed": "seed",
+                "tenant": "tenant:seed", "null": None}.get(kind, choice[-1])
+
+    def key_value(self, choice, scope):
+        kind = choice[0]
+        if kind == "own":
+            return (self.own[choice[1] % len(self.own)] if scope == self.own_scope
+                    else f"seed-{STATES[choice[1] % len(STATES)]}")
+        if kind == "shared":
+            return f"sh-{choice[1]}"
+        if kind == "null":
+            return None
+        if kind == "raw":
+            return Raw(choice[1])
+        return choice[1]
+
+    def batch_key_value(self, choice, scope):
+        """A key of a batch: text only (an array element is no call argument)."""
+        key = self.key_value(choice, scope)
+        if isinstance(key, Raw):
+            return key.data.decode("utf-8", "replace").replace("\x00", "?")
+        return key
+
+    def token_value(self, choice, scope, key):
+        kind = choice[0]
+        known = self.tokens.get((scope, key), [])
+        if kind == "current":
+            return known[-1] if known else random.getrandbits(20)
+        if kind == "stale":
+            return known[0] - 1 if known else 1
+        if kind == "null":
+            return None
+        return choice[1]
+
+    def json_value(self, kind):
+        return json_text(kind, self.max_size)
+
+    def interval_value(self, v):
+        # infinite intervals exist from PostgreSQL 17 on; before, the text
+        # would fail in the cast, not in the function
+        if v in ("infinity", "-infinity") and int(self.pg_version) < 170000:
+            return "1 hour"
+        return v
+
+    # -- building the statement ----------------------------------------------
+    def build(self, fn, a):
+        """The SQL text, its parameters, and what the call touches."""
+        if fn in ("stats", "cluster_stats"):
+            return f"SELECT * FROM idempotency.{fn}", [], None, []
+        if fn in ("idem_version", "stats_reset"):
+            return f"SELECT idempotency.{fn}()", [], None, []
+        if fn in ("bind_scope", "unbind_scope"):
+            args = [("role", a["role"], "regrole")]
+            if fn == "bind_scope":
+                args.append(("scope_prefix", a["scope_prefix"], "text"))
+            return self.statement(fn, args, scalar=True) + (None, [])
+        if fn == "distribute":
+            return self.statement(fn, self.present(a, [("shard_count", "int4")]),
+                                  scalar=True) + (None, [])
+        if fn == "idem_sweep":
+            return self.statement(fn, self.present(a, [("batch_size", "int4")])) + (None, [])
+
+        scope = self.scope_value(a["scope"]) if a.get("scope", OMIT) is not OMIT else ""
+        args = []
+        touched = []
+        if "key" in a:
+            key = self.key_value(a["key"], scope)
+            args.append(("key", key, "text"))
+            touched.append(key)
+        if "keys" in a:
+            keys = self.batch_value(a["keys"], lambda c: self.batch_key_value(c, scope))
+            args.append(("keys", keys, "text[]"))
+            touched.extend(flatten(keys))
+        if "token" in a:
+            args.append(("token", self.token_value(a["token"], scope, touched[0]), "int8"))
+        if "tokens" in a:
+            toks = []
+            keys_list = flatten(keys) if isinstance(keys, list) else []
+            for i, c in enumerate(flatten_choices(a["tokens"])):
+                k = keys_list[i] if i < len(keys_list) else None
+                toks.append(None if c == ("null",) else self.token_value(c, scope, k))
+            args.append(("tokens", self.reshape(a["tokens"], toks), "int8[]"))
+        for name, typ in [("request", "jsonb"), ("response_code", "int4"),
+                          ("response_body", "jsonb"), ("data", "jsonb"),
+                          ("requests", "jsonb[]"), ("response_codes", "int4[]"),
+                          ("response_bodies", "jsonb[]"), ("phase", "text"),
+                          ("lease", "interval"), ("retention", "interval"),
+                          ("wait", "interval"), ("status", "text"),
+                          ("session_bound", "bool")]:
+            v = a.get(name, OMIT)
+            if v is OMIT:
+                continue
+            if typ == "jsonb":
+                v = self.json_value(v)
+            elif typ == "jsonb[]":
+                v = self.batch_value(v, self.json_value)
+            elif typ == "int4[]":
+                v = self.batch_value(v, lambda x: x)
+            elif typ == "interval" and v is not None:
+                v = self.interval_value(v)
+            args.append((name, v, typ))
+        if a.get("scope", OMIT) is not OMIT:
+            args.append(("scope", scope, "text"))
+        sql, params = self.statement(fn, args)
+        return sql, params, scope, touched
+
+    def batch_value(self, v, each):
+        if v is None or v == []:
+            return v
+        if isinstance(v, tuple) and v[0] == "2d":
+            return [[None if c == ("null",) else each(c)] * 2 for c in v[1]]
+        return [None if c == ("null",) else each(c) for c in v]
+
+    @staticmethod
+    def reshape(choice, values):
+        if choice is None:
+            return None
+        if isinstance(choice, tuple) and choice[0] == "2d":
+            return [[x, x] for x in values]
+        return values
+
+    @staticmethod
+    def present(a, names):
+        return [(n, a[n], t) for n, t in names if a.get(n, OMIT) is not OMIT]
+
+    @staticmethod
+    def statement(fn, args, scalar=False):
+        parts, params = [], []
+        for name, value, typ in args:
+            if isinstance(value, Raw):
+                # text sent as bytes: the server's conversion must refuse it
+                parts.append(f"{name} => pg_catalog.convert_from(%s::bytea, 'UTF8')")
+                params.append(value.data)
+            else:
+                parts.append(f"{name} => %s::{typ}")
+                params.append(value)
+        call = f"idempotency.{fn}({', '.join(parts)})"
+        return (f"SELECT {call}" if scalar else f"SELECT * FROM {call}"), params
+
+    # -- P3: the rows of the keys a call names --------------------------------
+    def snapshot(self, scope, keys):
+        names = [k for k in keys if isinstance(k, str)]
+        if scope != self.own_scope or not names:
+            return None
+        # compared as text: a 10,000-level jsonb is too deep for Python's json
+        rows = self.su.execute(
+            "SELECT k.key, (pg_catalog.to_jsonb(k) - 'sweep_at')::text, k.status, k.token,"
+            " k.expires_at::text,"
+            " (pg_catalog.to_jsonb(k) - 'sweep_at' - 'token' - 'owner_session')::text"
+            " FROM idempotency.keys k WHERE k.scope = %s AND k.key = ANY(%s)",
+            (scope, names)).fetchall()
+        return {r[0]: Row(*r[1:]) for r in rows}, names
+
+    def compare(self, before, why, sql, params):
+        rows, names = before
+        after, _ = self.snapshot(self.own_scope, names)
+        self.checked["P3 row unchanged"] += 1
+        for k in names:
+            b, a = rows.get(k), after.get(k)
+            if b == a:
+                continue
+            if b is not None and a is None and self.su.execute(
+                    "SELECT %s::timestamptz <= pg_catalog.clock_timestamp()",
+                    (b.expires_at,)).fetchone()[0]:
+                continue  # the worker deleted it: its retention had passed
+            if (b is not None and a is not None and b.status == "pending"
+                    and a.token is None and a.rest == b.rest):
+                continue  # the worker reset it: its lease or session had ended
+            self.fail("P3", f"a call that {why} changed the row of key {k!r}",
+                      sql, params, extra=f"before: {short(b)}\n   after:  {short(a)}")
+
+    # -- running one drawn call ----------------------------------------------
+    def run(self, call, context):
+        fn, a = call
+        ctx, ms = context
+        self.examples += 1
+        if self.examples % 300 == 0:
+            self.make_states()
+        sql, params, scope, touched = self.build(fn, a)
+        self.calls[fn] += 1
+        self.contexts[ctx] += 1
+        before = self.snapshot(scope, touched)
+        c = self.conn
+        rows, state, rolled_back = None, None, ctx in ("rollback", "readonly", "savepoint")
+        try:
+            if ctx != "autocommit":
+                c.execute({"readonly": "BEGIN READ ONLY",
+                           "repeatable_read": "BEGIN ISOLATION LEVEL REPEATABLE READ"}
+                          .get(ctx, "BEGIN"))
+            if ctx == "savepoint":
+                c.execute("SAVEPOINT fuzz")
+            if ctx == "timeout":
+                c.execute(f"SET LOCAL statement_timeout = '{ms}ms'")
+            if ctx == "repeatable_read":
+                c.execute("SELECT 1")  # takes the snapshot before the call
+            try:
+                rows = c.execute(sql, params).fetchall()
+            except psycopg.Error as e:
+                state = e.sqlstate
+                if lost(c, e) or state is None:
+                    raise
+            if ctx == "savepoint":
+                c.execute("ROLLBACK TO SAVEPOINT fuzz")
+            if ctx != "autocommit":
+                c.execute("ROLLBACK" if rolled_back or state else "COMMIT")
+        except psycopg.Error as e:
+            if lost(c, e):
+                self.fail("P1", f"connection lost ({e.sqlstate}: {first_line(e)})", sql, params)
+                self.reconnect()
+                return
+            if e.sqlstate is None:
+                self.fail("harness", f"client-side error: {first_line(e)}", sql, params)
+                if not c.closed:
+                    c.rollback()
+                return
+            # COMMIT itself may fail: a deferred serialization failure
+            state = state or e.sqlstate
+            c.execute("ROLLBACK")
+        self.check_error(fn, a, ctx, state, sql, params)
+        if state is None:
+            self.ok[fn] += 1
+            if not rolled_back:
+                self.learn(fn, rows, scope, touched)
+        if before is not None and (state is not None or rolled_back):
+            self.compare(before, "failed" if state else f"was rolled back ({ctx})", sql, params)
+
+    def check_error(self, fn, a, ctx, state, sql, params):
+        raw = any(isinstance(p, bytes) for p in params)
+        if ctx == "readonly" and fn in WRITERS and not strict_null(fn, a):
+            self.checked["P4 read-only refused"] += 1
+            if state is None:
+                self.fail("P4", "succeeded in a READ ONLY transaction", sql, params)
+            elif state not in {"25006", "54000", "42501", "22021"} | BAD_ARGS:
+                self.fail("P4", f"raised {state}, not 25006, in a READ ONLY transaction",
+                          sql, params)
+        if state is None:
+            if raw and any(b"\x00" in p or b"\xff" in p or p == b"\xc3"
+                           for p in params if isinstance(p, bytes)):
+                self.fail("P2", "text with a NUL or invalid UTF-8 was accepted", sql, params)
+            return
+        self.errors[fn][state] += 1
+        self.checked["P2 documented SQLSTATE"] += 1
+        allowed = set(ALLOWED[fn])
+        if self.role != "fuzz_tenant":
+            allowed -= TENANT_ONLY
+        if fn in ("bind_scope", "unbind_scope", "stats_reset", "distribute",
+                  "idem_sweep") and self.role == "fuzz_tenant":
+            allowed |= TENANT_ONLY  # not granted to the tenant's role
+        if ctx == "timeout":
+            allowed.add("57014")
+        if ctx == "readonly" and fn in WRITERS:
+            allowed.add("25006")
+        if ctx == "repeatable_read" and fn not in READERS:
+            allowed.add("40001")
+        if raw:
+            allowed.add("22021")
+        if state not in allowed:
+            self.fail("P2", f"{fn} raised {state}, which docs/api.md does not list for it"
+                      f" (context {ctx})", sql, params)
+
+    def learn(self, fn, rows, scope, touched):
+        """Remember the tokens that claims handed out."""
+        if fn == "idem_claim" and rows and rows[0][0] == "claimed":
+            self.remember(scope, touched[0], rows[0][1])
+        elif fn == "idem_claim_many":
+            for r in rows or []:
+                if r[2] == "claimed":
+                    self.remember(scope, r[1], r[3])
+
+    def fail(self, prop, what, sql, params, extra=""):
+        shown = [p if not isinstance(p, str) or len(p) < 300 else p[:60] + f"...({len(p)} chars)"
+                 for p in params]
+        msg = f"{prop} (worker {self.idx}, role {self.role}): {what}\n   {sql}\n   params: {shown!r}"
+        if extra:
+            msg += "\n   " + extra
+        # the same failure of the same statement is shown once, and counted
+        kind = (prop, what, sql)
+        self.failure_count[kind] += 1
+        if self.failure_count[kind] == 1:
+            self.failures.append(msg)
+            print("FAIL " + msg, flush=True)
+
+    def reconnect(self):
+        for _ in range(50):
+            try:
+                self.conn = self.connect(self.role)
+                self.su = self.connect("postgres")
+                self.side = self.connect(self.role)
+                return
+            except psycopg.OperationalError:
+                time.sleep(0.2)
+        raise Failure("the server does not accept connections any more")
+
+    def summary(self):
+        return {"calls": dict(self.calls), "ok": dict(self.ok),
+                "errors": {f: dict(c) for f, c in self.errors.items()},
+                "contexts": dict(self.contexts), "checked": dict(self.checked),
+                "failures": self.failures,
+                "failed_calls": sum(self.failure_count.values())}
+
+
+class Raw:
+    """A text argument sent as bytes and converted by the server."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __repr__(self):
+        return f"Raw({self.data!r})"
+
+
+# A row of idempotency.keys as P3 compares it: all of it but sweep_at (text),
+# and what tells a reset by the background worker apart (rest: the row
+# without token and owner_session).
+Row = collections.namedtuple("Row", "text status token expires_at rest")
+
+
+def short(row):
+    if row is None or len(row.text) < 600:
+        return row and row.text
+    return row.text[:600] + f"...({len(row.text)} characters)"
+
+
+def strict_null(fn, a):
+    """A STRICT SQL function called with a NULL: it returns NULL unrun."""
+    return fn in ("bind_scope", "unbind_scope") and None in a.values()
+
+
+def flatten(v):
+    if not isinstance(v, list):
+        return []
+    out = []
+    for x in v:
+        out.extend(flatten(x) if isinstance(x, list) else [x])
+    return out
+
+
+def flatten_choices(choice):
+    if choice is None or choice == []:
+        return []
+    if isinstance(choice, tuple) and choice[0] == "2d":
+        return list(choice[1])
+    return list(choice)
+
+
+def lost(conn, e):
+    """Whether error e means that the connection or the server went away."""
+    return (conn.closed or e.sqlstate in CONNECTION_LOST
+            or (e.sqlstate is None and isinstance(e, psycopg.OperationalError)))
+
+
+def first_line(e):
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+# --------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------
+def worker_main(idx, opts, deadline, queue):
+    random.seed(opts.seed + idx)
+    worker = None
+    try:
+        worker = Worker(idx, opts)
+
+        @settings(max_examples=200, deadline=None, database=None, derandomize=False,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(call=call_strategy, context=context_strategy)
+        def prop(call, context):
+            if time.monotonic() < deadline:
+                worker.run(call, context)
+
+        rnd = 0
+        while time.monotonic() < deadline:
+            hypothesis_seed(opts.seed + 1000003 * idx + rnd)(prop)()
+            rnd += 1
+        queue.put(worker.summary())
+    except BaseException:  # noqa: BLE001 - reported as a failure of the run
+        summary = worker.summary() if worker else {"failures": []}
+        summary["failures"].append(f"worker {idx} stopped: {traceback.format_exc()}")
+        queue.put(summary)
+
+
+def merge(summaries):
+    total = {"calls": collections.Counter(), "ok": collections.Counter(),
+             "errors": collections.defaultdict(collections.Counter),
+             "contexts": collections.Counter(), "checked": collections.Counter(),
+             "failures": [], "failed_calls": 0}
+    for s in summaries:
+        for k in ("calls", "ok", "contexts", "checked"):
+            total[k].update(s.get(k, {}))
+        for f, c in s.get("errors", {}).items():
+            total["errors"][f].update(c)
+        total["failures"].extend(s.get("failures", []))
+        total["failed_calls"] += s.get("failed_calls", 0)
+    return total
+
+
+def server_start(opts):
+    with psycopg.connect(host=opts.host, port=opts.port, dbname=opts.dbname,
+                         user="postgres") as c:
+        return c.execute("SELECT pg_catalog.pg_postmaster_start_time()").fetchone()[0]
+
+
+def amcheck(opts):
+    """P5: the table and every index of it pass amcheck.  Returns failures."""
+    out = []
+    with psycopg.connect(host=opts.host, port=opts.port, dbname=opts.dbname,
+                         user="postgres", autocommit=True) as c:
+        c.execute("CREATE EXTENSION IF NOT EXISTS amcheck")
+        for (index,) in c.execute(
+                "SELECT i.indexrelid::regclass::text FROM pg_catalog.pg_index i "
+                "WHERE i.indrelid = 'idempotency.keys'::regclass ORDER BY 1").fetchall():
+            c.execute("SELECT bt_index_check(%s::regclass, true)", (index,))
+            print(f"amcheck: bt_index_check({index}, true): ok")
+        bad = c.execute("SELECT * FROM verify_heapam('idempotency.keys')").fetchall()
+        print(f"amcheck: verify_heapam('idempotency.keys'): {len(bad)} problem(s)")
+        out += [f"P5 verify_heapam: {r}" for r in bad]
+    return out
+
+
+def print_summary(total, seed, elapsed):
+    print(f"\n== properties: seed {seed}, {elapsed:.0f}s")
+    print("calls per function (ok / errors by SQLSTATE):")
+    for f in sorted(total["calls"]):
+        errs = ", ".join(f"{s} {n}" for s, n in sorted(total["errors"][f].items()))
+        print(f"  {f:18} {total['calls'][f]:7d} calls, {total['ok'][f]:7d} ok"
+              + (f"; {errs}" if errs else ""))
+    print("contexts: " + ", ".join(f"{k} {v}" for k, v in sorted(total["contexts"].items())))
+    print("properties checked: " + ", ".join(
+        f"{k}: {v}" for k, v in sorted(total["checked"].items())))
+    print(f"calls: {sum(total['calls'].values())}, failed checks: {total['failed_calls']}"
+          f" ({len(total['failures'])} distinct, listed below)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", default=os.environ.get("PGHOST", "/tmp"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("PGPORT", "5432")))
+    p.add_argument("--dbname", default="fuzz")
+    p.add_argument("--minutes", type=float, default=1.0)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--amcheck", action="store_true", help="only P5, then exit")
+    p.add_argument("--json", help="write the summary here")
+    opts = p.parse_args()
+    # names this run's keys: a second run against the same database starts afresh
+    opts.run_id = f"r{int(time.time())}"
+    if opts.amcheck:
+        failures = amcheck(opts)
+        for f in failures:
+            print("FAIL " + f)
+        return 1 if failures else 0
+    if opts.seed is None:
+        opts.seed = random.SystemRandom().randrange(2**31)
+    print(f"== properties: seed {opts.seed} (--seed {opts.seed} draws the same calls),"
+          f" {opts.workers} workers, {opts.minutes} minutes", flush=True)
+    started = time.monotonic()
+    start_time = server_start(opts)
+    deadline = started + opts.minutes * 60
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker_main, args=(i, opts, deadline, queue))
+             for i in range(opts.workers)]
+    for proc in procs:
+        proc.start()
+    summaries = []
+    for proc in procs:
+        try:
+            summaries.append(queue.get(timeout=max(60, deadline - time.monotonic() + 600)))
+        except Exception:  # noqa: BLE001 - a worker that never reported
+            summaries.append({"failures": ["a worker never reported"]})
+    for proc in procs:
+        proc.join(timeout=60)
+    total = merge(summaries)
+    try:
+        if server_start(opts) != start_time:
+            total["failures"].append("P1 the postmaster restarted during the run")
+        total["checked"]["P1 server up, not restarted"] += 1
+    except psycopg.Error as e:
+        total["failures"].append(f"P1 the server does not answer: {first_line(e)}")
+    print_summary(total, opts.seed, time.monotonic() - started)
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump(total, f, indent=1, default=str)
+    for f in total["failures"][:40]:
+        print("FAILED: " + f)
+    if len(total["failures"]) > 40:
+        print(f"FAILED: ... and {len(total['failures']) - 40} more")
+    return 1 if total["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
