@@ -305,8 +305,9 @@ class Worker:
                                dbname=self.opts.dbname, user=user, autocommit=True,
                                application_name=f"fuzz-properties-{self.idx}")
         # times past year 9999 (a retention of 9999 years) are valid in
-        # PostgreSQL and not in Python: results are read as text
-        for typ in ("timestamptz", "timestamp", "interval"):
+        # PostgreSQL and not in Python, and a 10,000-level jsonb is too deep
+        # for Python's json: results are read as text
+        for typ in ("timestamptz", "timestamp", "interval", "json", "jsonb"):
             conn.adapters.register_loader(typ, TextLoader)
         return conn
 
@@ -641,6 +642,13 @@ class Worker:
             self.failures.append(msg)
             print("FAIL " + msg, flush=True)
 
+    def reset(self):
+        """After a harness error: no transaction left open."""
+        if self.conn.closed:
+            self.reconnect()
+        elif self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            self.conn.execute("ROLLBACK")
+
     def reconnect(self):
         for _ in range(50):
             try:
@@ -728,7 +736,14 @@ def worker_main(idx, opts, deadline, queue):
         @given(call=call_strategy, context=context_strategy)
         def prop(call, context):
             if time.monotonic() < deadline:
-                worker.run(call, context)
+                try:
+                    worker.run(call, context)
+                except Failure:
+                    raise
+                except Exception:  # noqa: BLE001 - the harness's own mistake
+                    worker.fail("harness", traceback.format_exc().strip().splitlines()[-1],
+                                repr(call), [repr(context)])
+                    worker.reset()
 
         rnd = 0
         while time.monotonic() < deadline:
