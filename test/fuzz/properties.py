@@ -389,7 +389,8 @@ class Worker:
         if kind == "current":
             return known[-1] if known else random.getrandbits(20)
         if kind == "stale":
-            return known[0] - 1 if known else 1
+            # the key's token before its newest, or one it never had
+            return known[-2] if len(known) > 1 else (known[0] - 1 if known else 1)
         if kind == "null":
             return None
         return choice[1]
