@@ -85,12 +85,13 @@ ALLOWED = {
 # What a bound tenant may always meet: a scope outside its prefix, or a
 # function not granted to it.
 TENANT_ONLY = {"42501"}
-# Functions that write: refused in a READ ONLY transaction (P4).
+# Functions that write: refused in a READ ONLY transaction (P4).  Not
+# stats_reset: it zeroes only shared-memory counters, as pg_stat_reset does.
 WRITERS = {"idem_claim", "idem_claim_many", "idem_finish", "idem_finish_many",
            "idem_extend", "idem_release", "idem_checkpoint", "idem_sweep",
-           "stats_reset", "bind_scope", "unbind_scope"}
-# Read only through the snapshot: no serialization failure to expect.
-READERS = {"idem_lookup", "idem_version", "stats", "cluster_stats"}
+           "bind_scope", "unbind_scope", "distribute"}
+# They read through the snapshot, or no table: no serialization failure.
+READERS = {"idem_lookup", "idem_version", "stats", "cluster_stats", "stats_reset"}
 # The SQLSTATEs of a lost connection or a server going down.
 CONNECTION_LOST = {"57P01", "57P02", "57P03", "08006", "08003", "08000"}
 
