@@ -14,6 +14,8 @@
  * node whose token sequence is behind.  catalog.c turns a scope into the
  * local shard's relations with these.  Without Citus installed in the
  * database nothing here runs but one extension lookup per catalog load.
+ * Must not write Citus's metadata or decide which shard holds a scope:
+ * it only reads what Citus decided.
  *
  *-------------------------------------------------------------------------
  */

@@ -11,8 +11,8 @@
  * write.  Only for a table as the extension creates it, without triggers,
  * rules, row security or generated columns: idem_direct_begin refuses any
  * other, and write.c then runs the SQL statement, so that whatever a user
- * attached to the table still fires.  Decides nothing about which row to
- * write or with what: write.c's rules do.
+ * attached to the table still fires.  Must not decide which row to write
+ * or with what: write.c's rules do.
  *
  *-------------------------------------------------------------------------
  */

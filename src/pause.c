@@ -11,7 +11,8 @@
  * other session holds pg_advisory_lock(IDEM_PAUSE_LOCK).  The wait is a
  * heavyweight lock wait, so isolationtester sees the session as blocked
  * and the spec decides when it goes on.  Release builds define
- * IDEM_PAUSE as nothing, so none of this exists there.
+ * IDEM_PAUSE as nothing, so none of this exists there.  Must not change
+ * what the paused code does: a pause only waits.
  *
  *-------------------------------------------------------------------------
  */

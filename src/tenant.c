@@ -11,8 +11,9 @@
  * change to the table: its statement trigger sends a relcache invalidation
  * that every backend receives.  With no bindings at all the check costs a
  * cached boolean.
- * Reads nothing of idempotency.keys but whether Citus distributes it: then
- * the bindings must be a reference table, read from this node's placement.
+ * Must not read idempotency.keys, but for whether Citus distributes it:
+ * then the bindings must be a reference table, read from this node's
+ * placement.
  *
  *-------------------------------------------------------------------------
  */
