@@ -304,7 +304,11 @@ class Worker:
     def connect(self, user):
         conn = psycopg.connect(host=self.opts.host, port=self.opts.port,
                                dbname=self.opts.dbname, user=user, autocommit=True,
-                               application_name=f"fuzz-properties-{self.idx}")
+                               application_name=f"fuzz-properties-{self.idx}",
+                               # no drawn call waits longer than 50 ms: one that
+                               # still runs after a minute is a finding (57014
+                               # outside a timed transaction), not a hung run
+                               options="-c statement_timeout=60s")
         # times past year 9999 (a retention of 9999 years) are valid in
         # PostgreSQL and not in Python, and a 10,000-level jsonb is too deep
         # for Python's json: results are read as text
@@ -401,9 +405,11 @@ class Worker:
 
     def interval_value(self, v):
         # infinite intervals exist from PostgreSQL 17 on; before, the text
-        # would fail in the cast, not in the function
+        # would fail in the cast, not in the function.  The stand-ins keep
+        # the sign: "-infinity" is drawn as a wait too, and a positive one
+        # there would wait for a held key's whole lease.
         if v in ("infinity", "-infinity") and int(self.pg_version) < 170000:
-            return "1 hour"
+            return "1 hour" if v == "infinity" else "-1 hour"
         return v
 
     # -- building the statement ----------------------------------------------
