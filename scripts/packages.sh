@@ -22,6 +22,10 @@
 #   package_deb_installcheck <src> <work> <NN> <port>
 #                                       pg_regress against the installed files
 #   package_deb_purge <work>            dpkg --purge, and no file left behind
+#   package_system_save <dir> [pg_config...]
+#                                       copy the extension's files (and note the
+#                                       package) of every packaged PostgreSQL
+#   package_system_restore <dir>        put them back as they were
 #   package_pgxn_test <src> <work> <port>
 #                                       make dist in <src>, META.json checked,
 #                                       pgxn install from the zip, installcheck
@@ -144,6 +148,86 @@ package_remove_installed() {
 	rm -rfv "$("$pgc" --pkglibdir)"/bitcode/idempotency
 	rm -fv "$("$pgc" --sharedir)"/extension/idempotency.control \
 		"$("$pgc" --sharedir)"/extension/idempotency--*.sql
+}
+
+# The extension's files in the PostgreSQL of pg_config <pgc>, one per line:
+# what a make install or the package puts there.
+package_system_files() {
+	local pgc=$1 lib share
+	lib=$("$pgc" --pkglibdir)
+	share=$("$pgc" --sharedir)/extension
+	find "$lib" -maxdepth 1 -name idempotency.so
+	[[ -d $lib/bitcode ]] && find "$lib/bitcode" \( -name idempotency.index.bc \
+		-o -path "$lib/bitcode/idempotency/*" \) \( -type f -o -type l \)
+	find "$share" -maxdepth 1 \( -name idempotency.control -o -name 'idempotency--*.sql' \)
+}
+
+# Keep a copy, in <dir>, of the extension's files in every packaged
+# PostgreSQL (/usr/lib/postgresql/NN, or the <pg_config>s given) and whether
+# its Debian package is installed: a test run installs, packages and purges
+# over them, and package_system_restore puts back what a user had (a kept
+# demo, their own make install, the package).
+package_system_save() {
+	local dir=$1 pgc v pkg
+	shift
+	(($#)) || set -- /usr/lib/postgresql/*/bin/pg_config
+	mkdir -p "$dir"
+	for pgc in "$@"; do
+		[[ -x $pgc ]] || continue
+		v=$(basename "$(dirname "$(dirname "$pgc")")")
+		echo "$pgc" >"$dir/$v.pg_config"
+		pkg=$(package_deb_name "$v")
+		if dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null | grep -qx installed; then
+			dpkg-query -W -f='${Version}' "$pkg" >"$dir/$v.package"
+		fi
+		package_system_files "$pgc" >"$dir/$v.files"
+		tar -cPf "$dir/$v.tar" -T "$dir/$v.files"
+	done
+}
+
+# Put back what package_system_save <dir> found: the same files, or the
+# package (reinstalled from this run's build, the only .deb at hand, when
+# the test purged it).  Says what it did, per version.
+package_system_restore() {
+	local dir=$1 saved v pgc pkg n deb
+	for saved in "$dir"/*.files; do
+		[[ -f $saved ]] || continue
+		v=$(basename "$saved" .files)
+		pgc=$(cat "$dir/$v.pg_config")
+		pkg=$(package_deb_name "$v")
+		n=$(wc -l <"$saved")
+		if [[ -f $dir/$v.package ]]; then
+			if dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null | grep -qx installed; then
+				echo "== PostgreSQL $v: $pkg is installed, as before the test"
+				continue
+			fi
+			deb=""
+			for deb in "${PACKAGE_DEBS[@]}"; do
+				[[ $deb == */${pkg}_* ]] && break
+				deb=""
+			done
+			package_remove_installed "$pgc" >/dev/null
+			if [[ -n $deb ]] && dpkg -i "$deb" >/dev/null; then
+				echo "== PostgreSQL $v: $pkg $(cat "$dir/$v.package") was installed before the test;" \
+					"reinstalled this run's build of it (${deb##*/})"
+			else
+				echo "== PostgreSQL $v: $pkg $(cat "$dir/$v.package") was installed before the test" \
+					"and could not be reinstalled: apt-get install $pkg"
+			fi
+			continue
+		fi
+		if dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null | grep -qx installed; then
+			dpkg --purge "$pkg" >/dev/null
+		fi
+		package_remove_installed "$pgc" >/dev/null
+		if ((n)); then
+			tar -xPf "$dir/$v.tar"
+			echo "== PostgreSQL $v: put back the extension's $n files that were installed before the test"
+		else
+			echo "== PostgreSQL $v: removed the extension's files (none were installed before the test)"
+		fi
+	done
+	rm -rf "$dir"
 }
 
 # Remove the extension's files that a make install left in the packaged

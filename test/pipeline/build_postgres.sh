@@ -19,17 +19,8 @@ tmp=$(mktemp -d)
 server_pid=""
 trap '[[ -n $server_pid ]] && kill "$server_pid" 2>/dev/null; rm -rf "$tmp"' EXIT
 
-n=0 failed=0
-ok() {
-	n=$((n + 1))
-	if [[ $1 == 0 ]]; then
-		echo "ok $n - $2"
-	else
-		echo "not ok $n - $2"
-		failed=$((failed + 1))
-		[[ -n ${3:-} ]] && sed 's/^/#   /' <<<"$3"
-	fi
-}
+# shellcheck source=test/pipeline/tap.bash
+source "$root/test/pipeline/tap.bash"
 # Run the script with a scratch cache and an archive that answers nothing;
 # set OUT, ERR and RC.
 run_script() {
