@@ -26,7 +26,11 @@ def test_claim_runs_the_block_and_stores_its_result(pool: ConnectionPool, db: An
                                                     key: str) -> None:
     with idempotent(pool, key, request={"amount": 5}, scope="ledger") as job:
         assert not job.replayed
-        assert job.attempt == 1 and isinstance(job.token, int)
+        # the fencing token is a decimal string: the key's token in the table
+        assert job.attempt == 1 and isinstance(job.token, str)
+        assert job.token == str(db.execute(
+            "SELECT token FROM idempotency.keys WHERE key = %s AND scope = 'ledger'",
+            (key,)).fetchone()[0])
         assert current_job() is job
         job.set_result({"entry": 7, "note": "ok"})
     assert current_job() is None
