@@ -144,6 +144,26 @@ class Server:
         self.sock.close()
 
 
+def with_pool_lifespan(app: Any, pool: AsyncConnectionPool, open_pool: bool = True) -> Any:
+    """A raw ASGI app whose lifespan opens the pool (unless ``open_pool`` is
+    False) at startup and closes it at shutdown, in the server's event loop."""
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                if open_pool:
+                    await pool.open()
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await pool.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    return wrapped
+
+
 @contextlib.contextmanager
 def serve(app: Any) -> Iterator[Server]:
     with Server(app) as server:

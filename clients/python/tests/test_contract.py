@@ -17,7 +17,7 @@ import httpx
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from conftest import Server
+from conftest import Server, with_pool_lifespan
 from pg_idempotency import IdempotencyMiddleware
 
 CONTRACT = Path(os.environ.get("IDEM_CONTRACT")
@@ -82,21 +82,7 @@ def make_app(handler: Handler, pool: AsyncConnectionPool, options: Dict[str, Any
     if "keyHeader" in options:
         name = options["keyHeader"]
         kwargs["key"] = lambda req: req.header(name)
-    inner = IdempotencyMiddleware(handler, pool=pool, **kwargs)
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await pool.open()
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await pool.close()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        await inner(scope, receive, send)
-    return app
+    return with_pool_lifespan(IdempotencyMiddleware(handler, pool=pool, **kwargs), pool)
 
 
 @pytest.fixture(scope="module")
