@@ -52,6 +52,22 @@ async def apool() -> Any:
         yield p
 
 
+@contextlib.contextmanager
+def database_with_extension(db: psycopg.Connection[Any], prefix: str,
+                            version: Optional[str]) -> Iterator[str]:
+    """A fresh database named ``prefix`` + random hex, with the extension at
+    ``version`` (None: without the extension), dropped afterwards."""
+    name = prefix + uuid.uuid4().hex[:8]
+    db.execute(f"CREATE DATABASE {name}")
+    try:
+        if version is not None:
+            with psycopg.connect(dbname=name, autocommit=True) as c:
+                c.execute(f"CREATE EXTENSION idempotency VERSION '{version}'")
+        yield name
+    finally:
+        db.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
 def stored(db: psycopg.Connection[Any], key: str, scope: str = "") -> Optional[tuple[Any, ...]]:
     """(status, attempt, response_code, response_body) of a key, None if absent."""
     return db.execute(

@@ -13,11 +13,13 @@ import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import httpx
+import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from conftest import Server, stored, take_over, wait_for, with_pool_lifespan
-from pg_idempotency import IdempotencyAttempt, IdempotencyMiddleware, MisconfiguredError
+from conftest import Server, database_with_extension, stored, take_over, wait_for, with_pool_lifespan
+from pg_idempotency import (IdempotencyAttempt, IdempotencyMiddleware, MisconfiguredError,
+                            idempotent)
 from pg_idempotency._core import ServerInfo, remember_server_info, server_info
 
 Headers = List[Tuple[str, str]]
@@ -401,3 +403,32 @@ def test_an_unavailable_database_stays_a_503(key: str) -> None:
     r = post_through("host=127.0.0.1 port=1", key, timeout=1)
     problem(r, 503, "idempotency-unavailable")
     assert r.headers["retry-after"] == "1"
+
+
+# ---- the oldest extension version this package runs on -----------------------------------------
+
+
+@pytest.fixture
+def database_1_0(db: Any) -> Iterator[str]:
+    with database_with_extension(db, "idem_py_v10_", "1.0") as name:
+        yield name
+
+
+def test_middleware_and_jobs_run_on_extension_1_0(database_1_0: str, key: str) -> None:
+    app = App(lambda body: (201, [("content-type", "application/json")], b'{"id": 1}'))
+    pool = AsyncConnectionPool(f"dbname={database_1_0}", min_size=1, max_size=2, open=False)
+    server, _, _ = serve(app, pool=pool)
+    with server:
+        assert post(server, key).status_code == 201
+        r = post(server, key)
+    assert r.headers["idempotent-replayed"] == "true" and r.json() == {"id": 1}
+    assert app.runs == 1
+    with psycopg.connect(dbname=database_1_0, autocommit=True) as conn:
+        assert conn.execute("SELECT extversion FROM pg_extension WHERE extname = "
+                            "'idempotency'").fetchone() == ("1.0",)
+        for _ in range(2):
+            with idempotent(conn, key + "-job", request={"n": 1}) as job:
+                if not job.replayed:
+                    assert job.token is not None and job.token.isdigit()
+                    job.set_result("done")
+        assert job.replayed and job.value == "done"

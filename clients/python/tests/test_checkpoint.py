@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from typing import Any, Iterator, List, Optional, Tuple
 
 import psycopg
@@ -13,7 +12,7 @@ import pytest
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from conftest import stored, wait_for, wait_past_lease
+from conftest import database_with_extension, stored, wait_for, wait_past_lease
 from pg_idempotency import (AsyncJob, Job, KeyLostError, MisconfiguredError, current_job,
                             idempotent, idempotent_job)
 
@@ -391,14 +390,8 @@ async def test_async_session_bound(db: Any, key: str) -> None:
 
 @pytest.fixture
 def old_db(db: Any) -> Iterator[str]:
-    name = "idem_py_v13_" + uuid.uuid4().hex[:8]
-    db.execute(f"CREATE DATABASE {name}")
-    try:
-        with psycopg.connect(dbname=name, autocommit=True) as c:
-            c.execute("CREATE EXTENSION idempotency VERSION '1.3'")
+    with database_with_extension(db, "idem_py_v13_", "1.3") as name:
         yield name
-    finally:
-        db.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 def test_jobs_work_on_extension_1_3(old_db: str, key: str) -> None:

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import httpx
+import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from conftest import Server, with_pool_lifespan
+from conftest import Server, database_with_extension, with_pool_lifespan
 from pg_idempotency import IdempotencyMiddleware
 
 CONTRACT = Path(os.environ.get("IDEM_CONTRACT")
@@ -87,14 +88,9 @@ def make_app(handler: Handler, pool: AsyncConnectionPool, options: Dict[str, Any
 
 @pytest.fixture(scope="module")
 def database_without_extension() -> Iterator[str]:
-    import psycopg
-    name = "idem_py_noext_" + uuid.uuid4().hex[:8]
-    with psycopg.connect(autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-        try:
-            yield name
-        finally:
-            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    with psycopg.connect(autocommit=True) as admin, \
+            database_with_extension(admin, "idem_py_noext_", None) as name:
+        yield name
 
 
 def send_request(client: httpx.Client, spec: Dict[str, Any], run: str) -> httpx.Response:

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from conftest import stored, take_over, wait_for, wait_for_extension, wait_past_lease
+from conftest import database_with_extension, stored, take_over, wait_for, wait_for_extension, wait_past_lease
 from pg_idempotency import (InProgressError, KeyLostError, MismatchError, MisconfiguredError,
                             StoredFailureError, current_job, idempotent, idempotent_job)
 
@@ -288,14 +288,10 @@ def test_replays_results_another_client_stored(pool: ConnectionPool, db: Any, ke
 
 
 def test_a_database_without_the_extension_is_named_before_any_claim(db: Any, key: str) -> None:
-    name = "idem_py_noext_jobs_" + key[-8:]
-    db.execute(f"CREATE DATABASE {name}")
-    try:
-        with psycopg.connect(dbname=name, autocommit=True) as conn:
-            with pytest.raises(MisconfiguredError, match=(
-                    f'^The idempotency extension is not installed in database "{name}": '
-                    "run CREATE EXTENSION idempotency.$")):
-                with idempotent(conn, key):
-                    pytest.fail("the block must not run")
-    finally:
-        db.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    with database_with_extension(db, "idem_py_noext_jobs_", None) as name, \
+            psycopg.connect(dbname=name, autocommit=True) as conn:
+        with pytest.raises(MisconfiguredError, match=(
+                f'^The idempotency extension is not installed in database "{name}": '
+                "run CREATE EXTENSION idempotency.$")):
+            with idempotent(conn, key):
+                pytest.fail("the block must not run")
