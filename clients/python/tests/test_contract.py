@@ -99,8 +99,8 @@ def send_request(client: httpx.Client, spec: Dict[str, Any], run: str) -> httpx.
                           headers=headers, content=payload(spec, run))
 
 
-JSON_TYPES = {"string": str, "number": (int, float), "boolean": bool, "object": dict,
-              "array": list, "null": type(None)}
+JSON_TYPES: Dict[str, Any] = {"string": str, "number": (int, float), "boolean": bool,
+                              "object": dict, "array": list, "null": type(None)}
 
 
 def check(response: httpx.Response, expect: Dict[str, Any], handler: Handler, what: str) -> None:

@@ -6,12 +6,18 @@ any ASGI framework), on an ``AsyncConnectionPool``.
     app.add_middleware(IdempotencyMiddleware, pool=pool,
                        scope=lambda req: req["user"].identity)
 
-Per covered request (POST and PATCH by default): parse the header; claim
-``(scope, key)`` with the request's fingerprint; ``replay``: send the stored
-response with ``Idempotent-Replayed: true``; ``in_progress``: 409 with
-``Retry-After``; ``mismatch``: 422; ``claimed``: run the app with a heartbeat,
-buffer its response, store it (or release the key) per the status policy, and
-only then send it, so the first client sees what every retry will see.
+Per covered request (POST and PATCH by default): parse the header (or call
+the ``key`` option); read the body up to ``max_body_size``; claim ``(scope,
+key)`` with the request's fingerprint; ``replay``: send the stored response
+with ``Idempotent-Replayed: true``; ``in_progress``: 409 with a capped
+``Retry-After``; ``mismatch``: 422; ``claimed``: run the app with a heartbeat
+(up to ``handler_timeout``), buffer its response, store it (or release the
+key) per the status policy, and only then send it with its own
+Content-Length, so the first client sees what every retry will see.
+
+There is no transactional mode: the stored response is written after the app
+returns, in its own statement. Writes that must commit with the stored result
+belong in a job on a connection inside a transaction (``jobs.idempotent``).
 """
 
 from __future__ import annotations
