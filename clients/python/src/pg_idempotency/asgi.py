@@ -364,11 +364,12 @@ class IdempotencyMiddleware:
                 await self._fill_cache(row, body_text, key, idem_scope, fp_text)
             await self._replay(send, row.response_code, row.response_body, body_text)
         elif row.outcome == "in_progress":
-            wait = min(max(1, math.ceil(row.retry_after or 1)), self.retry_after_max)
+            # whole seconds, never past the cap (a fractional cap rounds down)
+            wait = min(max(1, math.ceil(row.retry_after or 1)),
+                       max(1, math.floor(self.retry_after_max)))
             await self._problem(send, 409, "idempotency-key-in-use",
                                 "A request with this Idempotency-Key is still being processed; "
-                                "retry later.",
-                                [(b"retry-after", str(math.ceil(wait)).encode())])
+                                "retry later.", [(b"retry-after", str(wait).encode())])
         elif row.outcome == "mismatch":
             await self._problem(send, 422, "idempotency-key-reused",
                                 "This Idempotency-Key was used with a different request "
