@@ -60,11 +60,10 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from ._core import (CHECKPOINT_EXTENSION, CHECKPOINT_SQL, CLAIM_SQL, EXTEND_SQL, FINISH_SQL,
                     MIN_EXTENSION, RELEASE_SQL, SERVER_INFO_SQL, SESSION_BOUND_CLAIM_SQL,
                     ClaimRow, Duration, InProgressError, KeyLostError, MismatchError,
-                    StoredFailureError, acall_with_retry, afetch_one, call_with_retry,
-                    envelope_error, envelope_value, error_envelope, is_lost,
+                    ServerInfo, StoredFailureError, acall_with_retry, afetch_one,
+                    call_with_retry, envelope_error, envelope_value, error_envelope, is_lost,
                     known_server_info, released_before, remember_server_info,
-                    require_version, server_info, to_seconds, to_timedelta, value_envelope,
-                    ServerInfo)
+                    require_version, server_info, to_seconds, to_timedelta, value_envelope)
 
 __all__ = ["Job", "AsyncJob", "Idempotent", "AsyncIdempotent", "idempotent",
            "idempotent_job", "current_job", "Retryable"]
