@@ -56,5 +56,7 @@ if not where.startswith(sys.prefix):
     sys.exit(f"test.sh: pg_idempotency imported from {where}, not from the venv")
 print(f"test.sh: testing {where}")
 EOF
-PGDATABASE=$DB "$WORK/venv/bin/python" -m pytest -p no:cacheprovider -o asyncio_mode=auto \
+# The contract the Node suite runs too, read where it lives in the repository.
+IDEM_CONTRACT=${IDEM_CONTRACT:-$HERE/../contract/http.json} PGDATABASE=$DB \
+	"$WORK/venv/bin/python" -m pytest -p no:cacheprovider -o asyncio_mode=auto \
 	-rs -q "$@" .

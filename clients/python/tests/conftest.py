@@ -52,6 +52,22 @@ async def apool() -> Any:
         yield p
 
 
+@contextlib.contextmanager
+def database_with_extension(db: psycopg.Connection[Any], prefix: str,
+                            version: Optional[str]) -> Iterator[str]:
+    """A fresh database named ``prefix`` + random hex, with the extension at
+    ``version`` (None: without the extension), dropped afterwards."""
+    name = prefix + uuid.uuid4().hex[:8]
+    db.execute(f"CREATE DATABASE {name}")
+    try:
+        if version is not None:
+            with psycopg.connect(dbname=name, autocommit=True) as c:
+                c.execute(f"CREATE EXTENSION idempotency VERSION '{version}'")
+        yield name
+    finally:
+        db.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
 def stored(db: psycopg.Connection[Any], key: str, scope: str = "") -> Optional[tuple[Any, ...]]:
     """(status, attempt, response_code, response_body) of a key, None if absent."""
     return db.execute(
@@ -142,6 +158,26 @@ class Server:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+def with_pool_lifespan(app: Any, pool: AsyncConnectionPool, open_pool: bool = True) -> Any:
+    """A raw ASGI app whose lifespan opens the pool (unless ``open_pool`` is
+    False) at startup and closes it at shutdown, in the server's event loop."""
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                if open_pool:
+                    await pool.open()
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await pool.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    return wrapped
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from typing import Any, Iterator, List, Optional, Tuple
 
 import psycopg
@@ -13,9 +12,9 @@ import pytest
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from conftest import stored, wait_for, wait_past_lease
-from pg_idempotency import (AsyncJob, Job, KeyLostError, current_job, idempotent,
-                            idempotent_job)
+from conftest import database_with_extension, stored, wait_for, wait_past_lease
+from pg_idempotency import (AsyncJob, Job, KeyLostError, MisconfiguredError, current_job,
+                            idempotent, idempotent_job)
 
 
 class Rollback(Exception):
@@ -74,7 +73,7 @@ def test_checkpoint_is_stored_and_handed_to_the_takeover(pool: ConnectionPool, d
             end_lease(db, key, "shop")                # the first attempt "dies" here
             with idempotent(pool, key, request={"order": 1}, scope="shop") as second:
                 assert not second.replayed
-                assert second.attempt == 2 and second.token > first.token  # type: ignore
+                assert second.attempt == 2 and int(second.token) > int(first.token)  # type: ignore
                 assert second.phase == "charge_created"
                 assert second.phase_data == {"charge": "ch_1", "amount": 1250}
                 second.set_result({"shipped": second.phase_data["charge"]})
@@ -106,7 +105,7 @@ def test_decorated_functions_checkpoint_through_current_job(pool: ConnectionPool
                                                             key: str) -> None:
     seen: List[Tuple[Any, ...]] = []
 
-    @idempotent_job(pool, key=lambda order: order, lease=60)
+    @idempotent_job(pool, key=lambda order: order, lease=60, scope="")
     def ship(order: str) -> str:
         job = current_job()
         assert isinstance(job, Job)
@@ -125,7 +124,7 @@ def test_decorated_functions_checkpoint_through_current_job(pool: ConnectionPool
 
 async def test_async_decorated_function_checkpoints(apool: AsyncConnectionPool, db: Any,
                                                     key: str) -> None:
-    @idempotent_job(apool, key=lambda order: order)
+    @idempotent_job(apool, key=lambda order: order, scope="")
     async def charge(order: str) -> str:
         job = current_job()
         assert isinstance(job, AsyncJob) and job.phase is None
@@ -379,7 +378,7 @@ async def test_async_session_bound(db: Any, key: str) -> None:
         assert apool.get_stats()["pool_available"] == 2
     assert stored(db, key) == ("succeeded", 1, None, {"v": 1, "json": "ok"})
 
-    @idempotent_job(db, key=lambda k: k, session_bound=True)
+    @idempotent_job(db, key=lambda k: k, session_bound=True, scope="")
     def bound(k: str) -> Any:
         return owner_session(db, k) is not None
 
@@ -391,14 +390,8 @@ async def test_async_session_bound(db: Any, key: str) -> None:
 
 @pytest.fixture
 def old_db(db: Any) -> Iterator[str]:
-    name = "idem_py_v13_" + uuid.uuid4().hex[:8]
-    db.execute(f"CREATE DATABASE {name}")
-    try:
-        with psycopg.connect(dbname=name, autocommit=True) as c:
-            c.execute("CREATE EXTENSION idempotency VERSION '1.3'")
+    with database_with_extension(db, "idem_py_v13_", "1.3") as name:
         yield name
-    finally:
-        db.execute(f"DROP DATABASE {name} WITH (FORCE)")
 
 
 def test_jobs_work_on_extension_1_3(old_db: str, key: str) -> None:
@@ -408,10 +401,15 @@ def test_jobs_work_on_extension_1_3(old_db: str, key: str) -> None:
             job.set_result("old")
         with idempotent(conn, key) as job:
             assert job.replayed and job.value == "old"
-        # the new calls need 1.4: the server says which function is missing
-        with pytest.raises(psycopg.errors.UndefinedFunction):
+        # the new calls need 1.4: refused before any statement, naming the fix
+        with pytest.raises(MisconfiguredError, match=r"session_bound=True\) needs the "
+                           r"idempotency extension 1\.4 or later; database \"idem_py_v13_\w+\" "
+                           r"has 1\.3: run ALTER EXTENSION idempotency UPDATE"):
             with idempotent(conn, key + "-b", session_bound=True):
                 pytest.fail("no session-bound claims before 1.4")
-        with pytest.raises(psycopg.errors.UndefinedFunction):
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = %s",
+                            (key + "-b",)).fetchone()[0] == 0
+        with pytest.raises(MisconfiguredError, match=r"checkpoint\(\)\) needs the "
+                           r"idempotency extension 1\.4"):
             with idempotent(conn, key + "-c") as job:
                 job.checkpoint("x")

@@ -105,7 +105,11 @@ async def test_decorator(apool: AsyncConnectionPool, db: Any, key: str) -> None:
     assert await charge(1, 100) == "charged 100"
     assert await charge(1, 100) == "charged 100"
     assert calls == [1]
-    assert stored(db, f"{key}-1") == ("succeeded", 1, None, {"v": 1, "json": "charged 100"})
+    # the scope defaults to the function's qualified name
+    assert charge.__qualname__ == "test_decorator.<locals>.charge"
+    assert stored(db, f"{key}-1", "test_jobs_async.test_decorator.<locals>.charge") == (
+        "succeeded", 1, None, {"v": 1, "json": "charged 100"})
+    assert stored(db, f"{key}-1") is None
 
 
 async def test_transaction_mode(db: Any, key: str) -> None:

@@ -33,7 +33,7 @@ def test_finish_waits_for_the_beat_in_flight(pool: ConnectionPool, db: Any, key:
             conn.execute(LOCK, (self.key,))
             in_flight.set()
             time.sleep(HOLD)
-            conn.execute(EXTEND, (self.key, self._job.token))
+            conn.execute(EXTEND, (self.key, int(self._job.token)))
 
     monkeypatch.setattr(jobs.Idempotent, "_beat", slow_beat)
     with idempotent(pool, key, lease=3) as job:
@@ -53,7 +53,7 @@ async def test_async_finish_waits_for_the_beat_in_flight(apool: AsyncConnectionP
             await conn.execute(LOCK, (self.key,))
             in_flight.set()
             await asyncio.sleep(HOLD)
-            await conn.execute(EXTEND, (self.key, self._job.token))
+            await conn.execute(EXTEND, (self.key, int(self._job.token)))
 
     monkeypatch.setattr(jobs.AsyncIdempotent, "_beat", slow_beat)
     async with idempotent(apool, key, lease=3) as job:

@@ -9,9 +9,9 @@ import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from conftest import stored, take_over, wait_for, wait_for_extension, wait_past_lease
-from pg_idempotency import (InProgressError, KeyLostError, MismatchError, StoredFailureError,
-                            current_job, idempotent, idempotent_job)
+from conftest import database_with_extension, stored, take_over, wait_for, wait_for_extension, wait_past_lease
+from pg_idempotency import (InProgressError, KeyLostError, MismatchError, MisconfiguredError,
+                            StoredFailureError, current_job, idempotent, idempotent_job)
 
 
 class Transient(Exception):
@@ -26,7 +26,11 @@ def test_claim_runs_the_block_and_stores_its_result(pool: ConnectionPool, db: An
                                                     key: str) -> None:
     with idempotent(pool, key, request={"amount": 5}, scope="ledger") as job:
         assert not job.replayed
-        assert job.attempt == 1 and isinstance(job.token, int)
+        # the fencing token is a decimal string: the key's token in the table
+        assert job.attempt == 1 and isinstance(job.token, str)
+        assert job.token == str(db.execute(
+            "SELECT token FROM idempotency.keys WHERE key = %s AND scope = 'ledger'",
+            (key,)).fetchone()[0])
         assert current_job() is job
         job.set_result({"entry": 7, "note": "ok"})
     assert current_job() is None
@@ -281,3 +285,13 @@ def test_replays_results_another_client_stored(pool: ConnectionPool, db: Any, ke
         with idempotent(pool, key + "-bare-err", request={"n": 1}, scope="jobs"):
             pytest.fail("must not run")
     assert caught.value.error_message == '"amount" must be positive'
+
+
+def test_a_database_without_the_extension_is_named_before_any_claim(db: Any, key: str) -> None:
+    with database_with_extension(db, "idem_py_noext_jobs_", None) as name, \
+            psycopg.connect(dbname=name, autocommit=True) as conn:
+        with pytest.raises(MisconfiguredError, match=(
+                f'^The idempotency extension is not installed in database "{name}": '
+                "run CREATE EXTENSION idempotency.$")):
+            with idempotent(conn, key):
+                pytest.fail("the block must not run")

@@ -7,21 +7,23 @@
   app (Starlette, FastAPI).
 """
 
-from ._core import (Duration, IdempotencyError, InProgressError, KeyLostError, MismatchError,
-                    StoredFailureError)
-from .asgi import (IdempotencyMiddleware, IdempotencyRequest, StoreDecision, StorePolicy,
+from ._core import (PACKAGE_VERSION, Duration, IdempotencyError, InProgressError, KeyLostError,
+                    MismatchError, MisconfiguredError, StoredFailureError)
+from .asgi import (DEFAULT_STORE_HEADERS, FRAMING_HEADERS, IdempotencyAttempt,
+                   IdempotencyMiddleware, IdempotencyRequest, StoreDecision, StorePolicy,
                    default_store_policy)
 from .cache import CachedResult, ResultCache
 from .header import KeyHeader, parse_idempotency_key
 from .jobs import (AsyncIdempotent, AsyncJob, Idempotent, Job, Retryable, current_job,
                    idempotent, idempotent_job)
 
-__version__ = "0.2.0"
+__version__ = PACKAGE_VERSION
 
 __all__ = [
-    "AsyncIdempotent", "AsyncJob", "CachedResult", "Duration", "IdempotencyError",
-    "IdempotencyMiddleware", "IdempotencyRequest", "Idempotent", "InProgressError", "Job",
-    "KeyHeader", "KeyLostError", "MismatchError", "ResultCache", "Retryable", "StoreDecision",
+    "AsyncIdempotent", "AsyncJob", "CachedResult", "DEFAULT_STORE_HEADERS", "Duration",
+    "FRAMING_HEADERS", "IdempotencyAttempt", "IdempotencyError", "IdempotencyMiddleware",
+    "IdempotencyRequest", "Idempotent", "InProgressError", "Job", "KeyHeader", "KeyLostError",
+    "MismatchError", "MisconfiguredError", "ResultCache", "Retryable", "StoreDecision",
     "StorePolicy", "StoredFailureError", "current_job", "default_store_policy", "idempotent",
     "idempotent_job", "parse_idempotency_key",
 ]

@@ -15,10 +15,12 @@ import datetime as _dt
 import json
 import re
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Tuple, TypeVar, Union
 
 import psycopg
+import psycopg_pool
 from psycopg.rows import tuple_row
 
 __all__ = [
@@ -28,7 +30,18 @@ __all__ = [
     "MismatchError",
     "StoredFailureError",
     "KeyLostError",
+    "MisconfiguredError",
 ]
+
+#: This package's version, named in the errors that ask for a newer extension.
+PACKAGE_VERSION = "0.3.0"
+
+#: The oldest extension version this package runs on: its claim, finish,
+#: extend, release and lookup calls name only the arguments of 1.0 (the
+#: claim reads phase and phase_data through to_jsonb, NULL before 1.4).
+#: ``checkpoint()`` and ``session_bound=True`` need 1.4 and say so.
+MIN_EXTENSION = (1, 0)
+CHECKPOINT_EXTENSION = (1, 4)
 
 #: A duration: seconds (int or float) or a ``datetime.timedelta``.
 Duration = Union[int, float, _dt.timedelta]
@@ -105,7 +118,7 @@ SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body
             THEN (c.response_body -> 'json')::text
             ELSE c.response_body::text END AS body_text
   FROM idempotency.idem_claim(key       => %(key)s,
-                              request   => %(request)s,
+                              request   => %(request)s::jsonb,
                               scope     => %(scope)s,
                               lease     => %(lease)s::interval,
                               retention => %(retention)s::interval,
@@ -113,13 +126,18 @@ SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body
 
 # The envelope goes as text that PostgreSQL parses: a JSON body is stored as
 # the handler wrote it, and the first answer is PostgreSQL's text of it, the
-# same bytes every replay sends.
+# same bytes every replay sends. When that text is not the handler's own
+# (``raw``), the handler's ETag named other bytes and is not stored.
 HTTP_FINISH_SQL = """
-SELECT f.expires_at, (%(body)s::jsonb -> 'json')::text AS json_text
-  FROM idempotency.idem_finish(key           => %(key)s,
+SELECT f.expires_at, (e.body -> 'json')::text AS json_text
+  FROM (SELECT CASE WHEN %(raw)s::text IS NOT NULL
+                         AND (%(body)s::jsonb -> 'json')::text IS DISTINCT FROM %(raw)s::text
+                    THEN %(body)s::jsonb #- '{headers,etag}'
+                    ELSE %(body)s::jsonb END AS body) AS e,
+       idempotency.idem_finish(key           => %(key)s,
                                token         => %(token)s,
                                response_code => %(code)s::int,
-                               response_body => %(body)s::jsonb,
+                               response_body => e.body,
                                scope         => %(scope)s,
                                status        => %(status)s,
                                retention     => %(retention)s::interval) AS f(expires_at)"""
@@ -156,6 +174,147 @@ def is_transient(err: BaseException) -> bool:
     if err.sqlstate is None:
         return isinstance(err, psycopg.OperationalError)
     return err.sqlstate in TRANSIENT_SQLSTATES
+
+
+# SQLSTATEs (and classes) of a store that is briefly unavailable: a lost or
+# refused connection, a shutdown or recovery, too many connections, a busy
+# key, a serialization failure or deadlock, a read-only server after a
+# failover, a cancelled statement. Anything else while claiming is a
+# misconfiguration: repeating the request does not fix it.
+UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300", "55P03", "40001",
+                                   "40P01", "25006", "57014"})
+
+# What libpq says when a login is refused (the server answers before any
+# SQLSTATE reaches psycopg 3.1): the cause, and what to do about it.
+_LOGIN_REFUSALS = (
+    ("does not exist", "{msg}: check the database name and role in the pool's conninfo"),
+    ("password authentication failed", "{msg}: check the pool's credentials"),
+    ("no pg_hba.conf entry", "{msg}: allow this client in pg_hba.conf"),
+    ("is not permitted to log in", "{msg}: grant LOGIN to the pool's role"),
+    ("permission denied for database", "{msg}: GRANT CONNECT on the database to the pool's role"),
+)
+
+
+def misconfiguration(err: BaseException, database: Optional[str] = None) -> Optional[str]:
+    """The detail (cause and fix) when ``err`` means the setup is wrong, None
+    when it is (or may be) a passing unavailability."""
+    where = f" in database \"{database}\"" if database else ""
+    if isinstance(err, psycopg_pool.PoolClosed):
+        return (f"The connection pool is not open ({err}): open it at startup "
+                "(await pool.open(), or AsyncConnectionPool(..., open=True)).")
+    if not isinstance(err, psycopg.Error):
+        return None
+    state = err.sqlstate
+    if state is None:
+        if not isinstance(err, psycopg.OperationalError) or isinstance(
+                err, psycopg_pool.PoolTimeout):
+            return None
+        msg = str(err).strip()
+        for needle, fix in _LOGIN_REFUSALS:
+            if needle in msg:
+                return fix.format(msg=msg.splitlines()[0].rstrip(".")) + "."
+        return None
+    if state.startswith("08") or state in UNAVAILABLE_SQLSTATES:
+        return None
+    if state in ("42883", "3F000"):
+        return (f"The idempotency extension is not installed{where}: run CREATE EXTENSION "
+                "idempotency.")
+    if state == "42501":
+        return (f"Permission denied{where} ({err.diag.message_primary or err}): grant the "
+                "role USAGE on schema idempotency (and EXECUTE on its functions).")
+    if state.startswith("28"):
+        return f"The server refused the login ({err}): check the pool's credentials."
+    if state == "3D000":
+        return f"The database does not exist ({err}): check the pool's conninfo."
+    return f"The idempotency claim failed{where} with SQLSTATE {state}: {err}"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a pool's database says once, at first use."""
+    database: str
+    extversion: Tuple[int, ...]
+    max_response_size: int
+
+
+DEFAULT_MAX_RESPONSE_SIZE = 1024 * 1024
+
+SERVER_INFO_SQL = """
+SELECT pg_catalog.current_database(),
+       (SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'idempotency'),
+       (SELECT setting FROM pg_catalog.pg_settings
+         WHERE name = 'idempotency.max_response_size'),
+       (SELECT unit FROM pg_catalog.pg_settings
+         WHERE name = 'idempotency.max_response_size')"""
+
+_UNITS = {"": 1, "B": 1, "kB": 1024, "MB": 1024 ** 2, "GB": 1024 ** 3, "TB": 1024 ** 4}
+
+
+def _bytes_setting(setting: Optional[str], unit: Optional[str]) -> int:
+    """idempotency.max_response_size in bytes: a number in the setting's unit
+    (the library loaded), or a placeholder's raw text such as "2MB" (not yet
+    loaded in this session); the default when absent or unreadable."""
+    if setting is None:
+        return DEFAULT_MAX_RESPONSE_SIZE
+    m = re.fullmatch(r"\s*(\d+)\s*([kMGT]?B)?\s*", setting)
+    if m is None:
+        return DEFAULT_MAX_RESPONSE_SIZE
+    factor = _UNITS.get(m.group(2) or (unit or ""), None)
+    if factor is None:       # a unit such as "8kB"
+        um = re.fullmatch(r"(\d+)([kMGT]?B)", unit or "")
+        factor = int(um.group(1)) * _UNITS[um.group(2)] if um else 1
+    return int(m.group(1)) * factor
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)) or (0,)
+
+
+def _version_text(version: Tuple[int, ...]) -> str:
+    return ".".join(str(p) for p in version)
+
+
+def server_info(row: Tuple[Any, ...], need: Tuple[int, ...] = MIN_EXTENSION) -> ServerInfo:
+    """The ServerInfo of SERVER_INFO_SQL's row; MisconfiguredError when the
+    extension is absent or older than ``need``."""
+    database, extversion, setting, unit = row
+    if extversion is None:
+        raise MisconfiguredError(
+            f"The idempotency extension is not installed in database \"{database}\": run "
+            "CREATE EXTENSION idempotency.")
+    info = ServerInfo(database, _version_tuple(extversion), _bytes_setting(setting, unit))
+    require_version(info, need)
+    return info
+
+
+def require_version(info: ServerInfo, need: Tuple[int, ...], what: str = "") -> None:
+    if info.extversion < need:
+        raise MisconfiguredError(
+            f"pg-idempotency {PACKAGE_VERSION}{what} needs the idempotency extension "
+            f"{_version_text(need)} or later; database \"{info.database}\" has "
+            f"{_version_text(info.extversion)}: run ALTER EXTENSION idempotency UPDATE.")
+
+
+# One check per pool (or connection), for the pool's life.
+_server_infos: "weakref.WeakKeyDictionary[Any, ServerInfo]" = weakref.WeakKeyDictionary()
+
+
+def known_server_info(db: Any) -> Optional[ServerInfo]:
+    return _server_infos.get(db)
+
+
+def remember_server_info(db: Any, info: ServerInfo) -> None:
+    _server_infos[db] = info
+
+
+def too_large_envelope(headers: Mapping[str, str]) -> str:
+    """The envelope of a response stored without its body: its status and
+    outcome stay (a retry must not run the side effect again), its headers
+    minus those that describe the missing body."""
+    kept = {k: v for k, v in headers.items()
+            if k not in ("content-type", "content-encoding", "content-language")}
+    return json.dumps({"v": 1, "headers": kept, "omitted": "too-large"},
+                      separators=(",", ":"))
 
 
 RETRIES = 4
@@ -264,6 +423,17 @@ class StoredFailureError(IdempotencyError):
         self.error_message = message
         self.body = body
         self.response_code = response_code
+
+
+class MisconfiguredError(Exception):
+    """The database cannot serve idempotency keys until someone changes it (the
+    extension is missing or too old, a permission or a login is refused, the
+    pool is not open): retrying the same call does not help. The message names
+    the cause and the fix."""
+
+    def __init__(self, message: str, *, cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class KeyLostError(IdempotencyError):

@@ -6,12 +6,18 @@ any ASGI framework), on an ``AsyncConnectionPool``.
     app.add_middleware(IdempotencyMiddleware, pool=pool,
                        scope=lambda req: req["user"].identity)
 
-Per covered request (POST and PATCH by default): parse the header; claim
-``(scope, key)`` with the request's fingerprint; ``replay``: send the stored
-response with ``Idempotent-Replayed: true``; ``in_progress``: 409 with
-``Retry-After``; ``mismatch``: 422; ``claimed``: run the app with a heartbeat,
-buffer its response, store it (or release the key) per the status policy, and
-only then send it, so the first client sees what every retry will see.
+Per covered request (POST and PATCH by default): parse the header (or call
+the ``key`` option); read the body up to ``max_body_size``; claim ``(scope,
+key)`` with the request's fingerprint; ``replay``: send the stored response
+with ``Idempotent-Replayed: true``; ``in_progress``: 409 with a capped
+``Retry-After``; ``mismatch``: 422; ``claimed``: run the app with a heartbeat
+(up to ``handler_timeout``), buffer its response, store it (or release the
+key) per the status policy, and only then send it with its own
+Content-Length, so the first client sees what every retry will see.
+
+There is no transactional mode: the stored response is written after the app
+returns, in its own statement. Writes that must commit with the stored result
+belong in a job on a connection inside a transaction (``jobs.idempotent``).
 """
 
 from __future__ import annotations
@@ -22,22 +28,29 @@ import inspect
 import json
 import logging
 import math
+import re
+from dataclasses import dataclass
 from typing import (Any, Awaitable, Callable, Collection, Dict, Iterator, List, Literal,
-                    Mapping, MutableMapping, Optional, Tuple, Union)
+                    Mapping, MutableMapping, Optional, Set, Tuple, Union)
 
 import psycopg
-from psycopg.types.json import Jsonb
+import psycopg_pool
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
-from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, RELEASE_SQL,
-                    ClaimRow, Duration, acall_with_retry, afetch_one, envelope_body,
-                    http_envelope, is_lost, is_transient, released_before, to_seconds,
-                    to_timedelta)
+from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX_KEY_LENGTH,
+                    RELEASE_SQL, SERVER_INFO_SQL, ClaimRow, Duration, MisconfiguredError,
+                    ServerInfo, acall_with_retry, afetch_one, envelope_body, http_envelope,
+                    is_envelope, is_json_media_type, is_lost, json_body_text,
+                    known_server_info, misconfiguration, released_before,
+                    remember_server_info, server_info, to_seconds, to_timedelta,
+                    too_large_envelope)
 from .cache import CachedResult, ResultCache
 from .header import parse_idempotency_key
 
-__all__ = ["IdempotencyMiddleware", "IdempotencyRequest", "default_store_policy",
-           "StorePolicy", "StoreDecision"]
+__all__ = ["IdempotencyMiddleware", "IdempotencyRequest", "IdempotencyAttempt",
+           "default_store_policy", "StorePolicy", "StoreDecision", "DEFAULT_STORE_HEADERS",
+           "FRAMING_HEADERS"]
 
 log = logging.getLogger("pg_idempotency")
 
@@ -52,29 +65,44 @@ StorePolicy = Callable[[int], StoreDecision]
 
 _TRANSIENT_4XX = frozenset({408, 409, 425, 429})
 
+#: Response headers stored and replayed by default; ``store_headers`` adds to them.
+DEFAULT_STORE_HEADERS = frozenset({"content-type", "content-encoding", "content-language",
+                                   "location", "etag", "last-modified"})
+
+#: Headers that describe one connection's framing, not the response: never
+#: stored, and dropped from what the handler sets, since the middleware sends
+#: the buffered body with its own Content-Length.
+FRAMING_HEADERS = frozenset({"transfer-encoding", "content-length", "connection", "keep-alive",
+                             "upgrade", "te", "trailer", "proxy-connection"})
+
 _TITLES = {
     "idempotency-key-missing": "Idempotency-Key header missing",
     "idempotency-key-malformed": "Idempotency-Key header malformed",
     "idempotency-key-repeated": "Idempotency-Key header repeated",
     "idempotency-key-too-long": "Idempotency-Key too long",
-    "idempotency-key-in-use": "Idempotency-Key in use",
-    "idempotency-key-reused": "Idempotency-Key reused",
-    "idempotency-key-lost": "Idempotency-Key lost",
+    "idempotency-key-in-use": "A request with this Idempotency-Key is in progress",
+    "idempotency-key-reused": "Idempotency-Key reused with a different request",
+    "idempotency-key-lost": "Idempotency-Key lost to a newer attempt",
+    "idempotency-request-too-large": "Request body too large",
+    "idempotency-misconfigured": "Idempotency middleware misconfigured",
     "idempotency-unavailable": "Idempotency store briefly unavailable",
+    "idempotency-handler-timeout": "Request handler timed out",
 }
-
-# SQLSTATE of a server (or PgBouncer target) that only reads: the key cannot
-# be claimed now, but may be after a failover.
-_READ_ONLY = "25006"
 
 # statuses whose responses carry no body, and so no content-length
 _NO_BODY = frozenset({204, 304})
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 
 def default_store_policy(status: int) -> StoreDecision:
-    """Stripe's documented behaviour: 2xx and 3xx are stored as succeeded; 4xx
-    as failed (the request was judged), except the transient 408, 409, 425 and
-    429, which release the key like every 5xx so that a retry runs again."""
+    """2xx and 3xx are stored as succeeded, except 304 (an answer about the
+    client's cache, not an outcome: released); 4xx as failed (the request was
+    judged), except the transient 408, 409, 425 and 429, which release the key
+    like every 5xx so that a retry runs again (``store_server_errors`` stores
+    5xx as failed)."""
+    if status == 304:
+        return "release"
     if status < 400:
         return "succeeded"
     if status < 500 and status not in _TRANSIENT_4XX:
@@ -156,23 +184,49 @@ class _Response:
                 self.complete = True
 
 
+@dataclass(frozen=True)
+class IdempotencyAttempt:
+    """The claimed attempt a covered request runs as, in
+    ``scope["state"]["idempotency"]`` (Starlette: ``request.state.idempotency``)."""
+
+    key: str
+    scope: str
+    #: the fencing token, as a decimal string (a bigint does not fit every
+    #: client's number type): pass it downstream as it is
+    token: str
+    #: 1 for the key's first attempt; more after a takeover
+    attempt: int
+
+
+_DISCONNECTED = object()
+_TOO_LARGE = object()
+
+
 class IdempotencyMiddleware:
-    """Options:
+    """Options (the README has the why of each):
 
     ``pool``: an ``AsyncConnectionPool`` (opened by the time requests arrive).
     ``methods``: covered methods (default POST, PATCH); others pass through.
-    ``required``: a covered request without the header gets 400 (default True);
+    ``required``: a covered request without a key gets 400 (default True);
     with False it runs without idempotency.
+    ``key(req)``: the key (sync or async), or None when the request has none;
+    replaces the ``Idempotency-Key`` header.
     ``scope(req)``: the key's tenant/principal string (sync or async), from the
     authenticated principal; default ``''``. Never a client-supplied header.
     ``fingerprint(req)``: the request's JSON fingerprint (sync or async);
     default method + path with query + SHA-256 of the raw body bytes.
+    ``canonical_json`` (default False): a JSON body is fingerprinted as its
+    jsonb value instead of its bytes.
     ``lease`` (default 30 s): the claim's lease; a heartbeat renews it every
     lease/3 while the app runs. ``retention`` (default 24 h): how long results
     are kept, announced in ``Idempotency-Key-Retention``.
-    ``store_headers``: response headers stored and replayed (default
-    content-type, content-encoding, location). ``store_policy(status)``: 'succeeded', 'failed'
-    or 'release' (default ``default_store_policy``).
+    ``store_headers``: response headers stored and replayed on top of
+    ``DEFAULT_STORE_HEADERS``. ``store_policy(status)``: 'succeeded', 'failed'
+    or 'release' (default ``default_store_policy``); ``store_server_errors``
+    (default False) stores 5xx as failed under the default policy.
+    ``retry_after_max`` (default 5 s): cap of ``Retry-After`` on a 409.
+    ``max_body_size`` (default 1 MiB): larger request bodies get 413.
+    ``handler_timeout`` (default 300 s; 0 or None: none): the client gets 504.
     ``problem_type_base``: prefix of the problem ``type`` URIs.
     ``cache``: an int N or a ``ResultCache``: serve replays of finished keys
     from memory (off by default).
@@ -180,12 +234,18 @@ class IdempotencyMiddleware:
 
     def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool,
                  methods: Collection[str] = ("POST", "PATCH"), required: bool = True,
+                 key: Optional[Callable[[IdempotencyRequest],
+                                        Union[Optional[str], Awaitable[Optional[str]]]]] = None,
                  scope: Optional[Callable[[IdempotencyRequest], Union[str, Awaitable[str]]]] = None,
                  fingerprint: Optional[Callable[[IdempotencyRequest], Any]] = None,
+                 canonical_json: bool = False,
                  lease: Duration = 30, retention: Duration = 86400,
-                 store_headers: Collection[str] = ("content-type", "content-encoding",
-                                                   "location"),
-                 store_policy: StorePolicy = default_store_policy,
+                 store_headers: Collection[str] = (),
+                 store_policy: Optional[StorePolicy] = None,
+                 store_server_errors: bool = False,
+                 retry_after_max: float = 5,
+                 max_body_size: Optional[int] = 1024 * 1024,
+                 handler_timeout: Optional[Duration] = 300,
                  problem_type_base: str = "urn:idempotency:problem:",
                  cache: Union[None, int, ResultCache] = None,
                  logger: Optional[logging.Logger] = None) -> None:
@@ -193,42 +253,80 @@ class IdempotencyMiddleware:
         self.pool = pool
         self.methods = frozenset(m.upper() for m in methods)
         self.required = required
+        self.key_of = key
         self.scope_of = scope
-        self.fingerprint = fingerprint or default_fingerprint
+        self.fingerprint = fingerprint
+        self.canonical_json = canonical_json
         self.lease = to_timedelta(lease)
         self.lease_seconds = to_seconds(lease)
         self.retention = to_timedelta(retention)
         # rounded half up, as JavaScript's Math.round, so both libraries announce the same
         self.retention_header = str(math.floor(to_seconds(retention) + 0.5))
-        self.store_headers = frozenset(h.lower() for h in store_headers)
+        self.store_headers = (DEFAULT_STORE_HEADERS
+                              | frozenset(h.lower() for h in store_headers)) - FRAMING_HEADERS
         self.store_policy = store_policy
+        self.store_server_errors = store_server_errors
+        self.retry_after_max = retry_after_max
+        self.max_body_size = max_body_size or None
+        timeout = to_seconds(handler_timeout) if handler_timeout else 0.0
+        self.handler_timeout = timeout if timeout > 0 else None
         self.problem_type_base = problem_type_base
         self.cache = ResultCache(cache) if isinstance(cache, int) else cache
         self.log = logger or log
+        # each cause of a misconfiguration is logged once, not once per request
+        self._logged_causes: Set[str] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"].upper() not in self.methods:
             await self.app(scope, receive, send)
             return
-        values = [v.decode("latin-1") for k, v in scope["headers"]
-                  if k.lower() == b"idempotency-key"]
-        if not values and not self.required:
-            await self.app(scope, receive, self._with_retention(send))
-            return
-        parsed = parse_idempotency_key(values)
-        if parsed.key is None:
-            assert parsed.error is not None
-            await self._problem(send, 400, parsed.error, parsed.detail)
-            return
-        key = parsed.key
+        key: Optional[str] = None
+        if self.key_of is None:
+            values = [v.decode("latin-1") for k, v in scope["headers"]
+                      if k.lower() == b"idempotency-key"]
+            if not values and not self.required:
+                await self.app(scope, receive, self._with_retention(send))
+                return
+            parsed = parse_idempotency_key(values)
+            if parsed.key is None:
+                assert parsed.error is not None
+                await self._problem(send, 400, parsed.error, parsed.detail)
+                return
+            key = parsed.key
 
-        body = await _read_body(receive)
-        if body is None:
+        body = await self._read_body(scope, receive)
+        if body is _DISCONNECTED:
             return                      # the client left before sending its body
+        if body is _TOO_LARGE:
+            await self._problem(send, 413, "idempotency-request-too-large",
+                                f"The request body is larger than {self.max_body_size} bytes, "
+                                "the most this endpoint accepts; the Idempotency-Key was not "
+                                "used.")
+            return
+        assert isinstance(body, bytes)
         req = IdempotencyRequest(scope, body)
+        if self.key_of is not None:
+            key = await self._custom_key(req)
+            if key is None:
+                if not self.required:
+                    await self.app(scope, _receive_body_once(body, receive),
+                                   self._with_retention(send))
+                    return
+                await self._problem(send, 400, "idempotency-key-missing",
+                                    "This request carries no idempotency key.")
+                return
+            if not key or _CONTROL.search(key):
+                await self._problem(send, 400, "idempotency-key-malformed",
+                                    "The idempotency key is empty or holds control characters.")
+                return
+            if len(key) > MAX_KEY_LENGTH:
+                await self._problem(send, 400, "idempotency-key-too-long",
+                                    f"The idempotency key is longer than {MAX_KEY_LENGTH} "
+                                    "characters.")
+                return
+        assert key is not None
         idem_scope = "" if self.scope_of is None else str(await _maybe_await(self.scope_of(req)))
-        fingerprint = await _maybe_await(self.fingerprint(req))
-        fp_text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"))
+        fp_text = await self._fingerprint_text(req)
 
         if self.cache is not None:
             hit = self.cache.get(idem_scope, key, fp_text)
@@ -237,17 +335,26 @@ class IdempotencyMiddleware:
                 return
 
         try:
+            await self._server_info()
             async with self.pool.connection() as conn:
                 claim = await afetch_one(conn, HTTP_CLAIM_SQL, {
-                    "key": key, "request": Jsonb(fingerprint), "scope": idem_scope,
+                    "key": key, "request": fp_text, "scope": idem_scope,
                     "lease": self.lease, "retention": self.retention,
                     "wait": to_timedelta(0)})
+        except MisconfiguredError as e:
+            await self._misconfigured(send, str(e))
+            return
         except psycopg.Error as e:
-            if is_transient(e) or e.sqlstate == _READ_ONLY:
-                self.log.warning("idempotency claim of key %r failed: %s", key, e)
-                await self._unavailable(send)
+            detail = misconfiguration(e, self._database())
+            if detail is None and isinstance(e, psycopg_pool.PoolTimeout) \
+                    and known_server_info(self.pool) is None:
+                detail = await self._diagnose_login()
+            if detail is not None:
+                await self._misconfigured(send, detail)
                 return
-            raise
+            self.log.warning("idempotency claim of key %r failed: %s", key, e)
+            await self._unavailable(send)
+            return
         assert claim is not None
         row = ClaimRow(*claim[:7])
         body_text: Optional[str] = claim[7]
@@ -257,37 +364,125 @@ class IdempotencyMiddleware:
                 await self._fill_cache(row, body_text, key, idem_scope, fp_text)
             await self._replay(send, row.response_code, row.response_body, body_text)
         elif row.outcome == "in_progress":
+            # whole seconds, never past the cap (a fractional cap rounds down)
+            wait = min(max(1, math.ceil(row.retry_after or 1)),
+                       max(1, math.floor(self.retry_after_max)))
             await self._problem(send, 409, "idempotency-key-in-use",
                                 "A request with this Idempotency-Key is still being processed; "
-                                "retry later.",
-                                [(b"retry-after", str(row.retry_after or 1).encode())])
+                                "retry later.", [(b"retry-after", str(wait).encode())])
         elif row.outcome == "mismatch":
             await self._problem(send, 422, "idempotency-key-reused",
                                 "This Idempotency-Key was used with a different request "
                                 "(method, path or body).")
         else:
             assert row.token is not None
+            attempt = IdempotencyAttempt(key=key, scope=idem_scope, token=str(row.token),
+                                         attempt=int(row.attempt or 1))
+            scope.setdefault("state", {})["idempotency"] = attempt
             # Shielded: a server that cancels the request when the client goes
             # away still lets the app finish and its result be stored.
             task = asyncio.ensure_future(self._run_claimed(
                 scope, send, body, key, idem_scope, row.token, fp_text))
             await asyncio.shield(task)
 
+    # ---- before the claim ----------------------------------------------------------
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Any:
+        """The request body, ``_TOO_LARGE`` past ``max_body_size`` (read no
+        further: at most the limit is kept), or ``_DISCONNECTED``."""
+        limit = self.max_body_size
+        if limit is not None:
+            declared = _header([(bytes(k), bytes(v)) for k, v in scope["headers"]],
+                               b"content-length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+                return _TOO_LARGE
+        chunks = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return _DISCONNECTED
+            chunk = message.get("body", b"")
+            if limit is not None and len(chunks) + len(chunk) > limit:
+                return _TOO_LARGE
+            chunks += chunk
+            if not message.get("more_body", False):
+                return bytes(chunks)
+
+    async def _custom_key(self, req: IdempotencyRequest) -> Optional[str]:
+        value = await _maybe_await(self.key_of(req))  # type: ignore[misc]
+        if value is None or isinstance(value, str):
+            return value
+        raise TypeError(f"the key option returned {type(value).__name__}, not str or None")
+
+    async def _fingerprint_text(self, req: IdempotencyRequest) -> str:
+        """The fingerprint as JSON text, which PostgreSQL parses into the jsonb
+        it compares. With ``canonical_json``, a JSON body goes in as its own
+        text (no float rounding or re-serialisation here), so jsonb's key
+        order, whitespace and duplicate-key rules decide what is the same body."""
+        if self.fingerprint is not None:
+            value = await _maybe_await(self.fingerprint(req))
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.canonical_json:
+            ctype = req.header("content-type")
+            text = (json_body_text(req.body)
+                    if ctype is not None and is_json_media_type(ctype) else None)
+            if text is not None:
+                return ('{"method":' + json.dumps(req.method) + ',"path":'
+                        + json.dumps(req.path) + ',"body":' + text + "}")
+        return json.dumps(default_fingerprint(req), sort_keys=True, separators=(",", ":"))
+
+    async def _server_info(self) -> ServerInfo:
+        """The extension's version (checked) and max_response_size, read once
+        per pool."""
+        info = known_server_info(self.pool)
+        if info is not None:
+            return info
+        async with self.pool.connection() as conn:
+            row = await afetch_one(conn, SERVER_INFO_SQL, {})
+        assert row is not None
+        info = server_info(row)
+        if known_server_info(self.pool) is None:
+            self.log.info("pg-idempotency: idempotency extension %s in database %r; responses "
+                          "over %d bytes are stored without their body",
+                          ".".join(map(str, info.extversion)), info.database,
+                          info.max_response_size)
+        remember_server_info(self.pool, info)
+        return info
+
+    def _database(self) -> Optional[str]:
+        info = known_server_info(self.pool)
+        if info is not None:
+            return info.database
+        try:
+            return conninfo_to_dict(self.pool.conninfo).get("dbname")
+        except psycopg.Error:
+            return None
+
+    async def _diagnose_login(self) -> Optional[str]:
+        """The pool hides why its connections fail (it retries and times out):
+        before the pool ever worked, one direct connection says whether the
+        login itself is refused (a misconfiguration) or the server is away."""
+        try:
+            kwargs = dict(self.pool.kwargs or {})
+            kwargs.setdefault("connect_timeout", 5)
+            conn = await psycopg.AsyncConnection.connect(self.pool.conninfo, **kwargs)
+        except psycopg.Error as e:
+            return misconfiguration(e, self._database())
+        await conn.close()
+        return None
+
     # ---- claimed -------------------------------------------------------------------
 
     async def _run_claimed(self, scope: Scope, send: Send, body: bytes, key: str,
                            idem_scope: str, token: int, fp_text: str) -> None:
         app_done = asyncio.Event()
-        delivered = False
 
-        async def app_receive() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
+        async def after_body() -> Message:
             # The app never learns of a disconnect: it runs to the end.
             await app_done.wait()
             return {"type": "http.disconnect"}
+
+        app_receive = _receive_body_once(body, after_body)
 
         response = _Response()
         lost: List[str] = []
@@ -312,8 +507,27 @@ class IdempotencyMiddleware:
                     self.log.exception("idempotency heartbeat for key %r failed", key)
 
         beat = asyncio.ensure_future(heartbeat())
+        run = asyncio.ensure_future(self.app(scope, app_receive, response.send))
+        timed_out = False
+        if self.handler_timeout is not None:
+            await asyncio.wait({run}, timeout=self.handler_timeout)
+            if not run.done():
+                # The handler is not cancelled (it may be in the middle of a
+                # side effect): it runs on, without a heartbeat, so that its
+                # lease runs out and a retry may take the key over; the token
+                # fences whatever it still does downstream.
+                timed_out = True
+                stop.set()
+                await beat
+                self.log.warning("the handler for idempotency key %r (scope %r) outlived "
+                                 "handler_timeout (%s s): answered 504, its lease is no "
+                                 "longer renewed", key, idem_scope, self.handler_timeout)
+                await self._problem(send, 504, "idempotency-handler-timeout",
+                                    "The request handler did not answer in time. Its "
+                                    "result is stored if it still finishes first; retry "
+                                    "later with the same Idempotency-Key.")
         try:
-            await self.app(scope, app_receive, response.send)
+            await run
             if response.status is None or not response.complete:
                 raise RuntimeError("the ASGI app returned without a complete response")
         except BaseException:
@@ -322,55 +536,109 @@ class IdempotencyMiddleware:
             await beat
             if not lost:
                 await self._release(ids)
+            if timed_out:
+                # the client already has its 504: nothing else goes out
+                self.log.exception("the handler for idempotency key %r failed after its "
+                                   "timeout; the key was released", key)
+                return
             raise
         app_done.set()
         stop.set()
         await beat
+        await self._settle(None if timed_out else send, response, ids, lost, fp_text)
 
+    async def _settle(self, send: Optional[Send], response: "_Response", ids: Dict[str, Any],
+                      lost: List[str], fp_text: str) -> None:
+        """Store (or release) the handler's response, then send it, unless
+        ``send`` is None (the client already got its 504)."""
+        key, idem_scope = ids["key"], ids["scope"]
         status = response.status
+        assert status is not None
+        out_headers = [(k, v) for k, v in response.headers
+                       if k.decode("latin-1").lower() not in FRAMING_HEADERS]
         if lost:
             await self._lost(send, key, idem_scope, lost[0])
             return
-        decision = self.store_policy(status)
+        decision = self._decide(status)
         if decision == "release":
             await self._release(ids)
-        else:
-            headers: Dict[str, str] = {}
-            for k, v in response.headers:
-                name = k.decode("latin-1").lower()
-                if name in self.store_headers:
-                    value = v.decode("latin-1")
-                    headers[name] = f"{headers[name]}, {value}" if name in headers else value
-            body_in = b"" if status in _NO_BODY else bytes(response.body)
-            envelope, json_text = http_envelope(headers, body_in, headers.get("content-type")
-                                                or _header(response.headers, b"content-type"))
-            try:
-                finished = await self._token_call(HTTP_FINISH_SQL, dict(
-                    ids, code=status, body=envelope, status=decision,
-                    retention=self.retention))
-            except psycopg.Error as e:
-                if is_lost(e):
-                    await self._lost(send, key, idem_scope, e.sqlstate or "")
-                    return
-                self.log.warning("could not store the result of idempotency key %r: %s", key, e)
-                await self._release(ids)
-                await self._unavailable(send)
-                return
-            assert finished is not None
-            expires_at, stored_text = finished
-            if self.cache is not None:
-                self.cache.put(idem_scope, key, CachedResult(
-                    fp_text, decision, status, json.loads(envelope) if json_text is None
-                    else {"v": 1, "headers": headers, "json": json.loads(stored_text)},
-                    expires_at, stored_text))
-            if json_text is not None:
-                # what every replay of this key will send: PostgreSQL's text of the body
-                out_headers = [h for h in response.headers if h[0].lower() != b"etag"]
+            if send is not None:
                 await self._send(send, status, out_headers + [self._retention_header()],
-                                 stored_text.encode("utf-8"), content_length=True)
+                                 bytes(response.body), content_length=True)
+            return
+        headers: Dict[str, str] = {}
+        for k, v in out_headers:
+            name = k.decode("latin-1").lower()
+            if name in self.store_headers:
+                value = v.decode("latin-1")
+                headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        body_in = b"" if status in _NO_BODY else bytes(response.body)
+        envelope, json_text = http_envelope(headers, body_in, headers.get("content-type")
+                                            or _header(response.headers, b"content-type"))
+        info = await self._known_info()
+        omitted = len(envelope.encode("utf-8")) > info.max_response_size
+        if omitted:
+            envelope, json_text = too_large_envelope(headers), None
+        try:
+            try:
+                finished = await self._finish(ids, status, envelope, json_text, decision)
+            except psycopg.Error as e:
+                if e.sqlstate != "54000" or omitted:
+                    raise
+                # jsonb's size is not the text's: the server has the last word
+                omitted = True
+                envelope, json_text = too_large_envelope(headers), None
+                finished = await self._finish(ids, status, envelope, json_text, decision)
+        except psycopg.Error as e:
+            if is_lost(e):
+                await self._lost(send, key, idem_scope, e.sqlstate or "")
                 return
-        await self._send(send, status, response.headers + [self._retention_header()],
+            self.log.warning("could not store the result of idempotency key %r: %s", key, e)
+            await self._release(ids)
+            if send is not None:
+                await self._unavailable(send)
+            return
+        assert finished is not None
+        expires_at, stored_text = finished
+        if json_text is not None and stored_text != json_text:
+            headers.pop("etag", None)
+        if omitted:
+            self.log.warning("the response to idempotency key %r (scope %r) is larger than "
+                             "%d bytes: stored without its body; retries get its status and "
+                             "headers only", key, idem_scope, info.max_response_size)
+        if self.cache is not None:
+            self.cache.put(idem_scope, key, CachedResult(
+                fp_text, decision, status, json.loads(envelope) if json_text is None
+                else {"v": 1, "headers": headers, "json": json.loads(stored_text)},
+                expires_at, stored_text))
+        if send is None:
+            return
+        if json_text is not None:
+            # what every replay of this key will send: PostgreSQL's text of the body
+            if "etag" not in headers:
+                out_headers = [h for h in out_headers if h[0].lower() != b"etag"]
+            await self._send(send, status, out_headers + [self._retention_header()],
+                             stored_text.encode("utf-8"), content_length=True)
+            return
+        await self._send(send, status, out_headers + [self._retention_header()],
                          bytes(response.body), content_length=True)
+
+    def _decide(self, status: int) -> StoreDecision:
+        if self.store_policy is not None:
+            return self.store_policy(status)
+        if status >= 500 and self.store_server_errors:
+            return "failed"
+        return default_store_policy(status)
+
+    async def _known_info(self) -> ServerInfo:
+        info = known_server_info(self.pool)
+        return info if info is not None else await self._server_info()
+
+    async def _finish(self, ids: Dict[str, Any], status: int, envelope: str,
+                      json_text: Optional[str], decision: str) -> Optional[Tuple[Any, ...]]:
+        return await self._token_call(HTTP_FINISH_SQL, dict(
+            ids, code=status, body=envelope, raw=json_text, status=decision,
+            retention=self.retention))
 
     async def _token_call(self, sql: str, params: Mapping[str, Any]) -> Optional[Tuple[Any, ...]]:
         """A token statement on a pool connection, tried again after a transient failure."""
@@ -407,9 +675,12 @@ class IdempotencyMiddleware:
             fp_text, row.status or "succeeded", row.response_code, row.response_body,
             expires_at, body_text))
 
-    async def _lost(self, send: Send, key: str, idem_scope: str, sqlstate: str) -> None:
+    async def _lost(self, send: Optional[Send], key: str, idem_scope: str,
+                    sqlstate: str) -> None:
         self.log.warning("lost the claim on idempotency key %r (scope %r, SQLSTATE %s): "
                          "the response was not stored", key, idem_scope, sqlstate)
+        if send is None:
+            return
         await self._problem(send, 409, "idempotency-key-lost",
                             "This request outlived its claim on the Idempotency-Key and another "
                             "attempt took it over; its result was not stored. Retry to get the "
@@ -433,10 +704,20 @@ class IdempotencyMiddleware:
                             "The result could not be recorded. Retry this request with the "
                             "same Idempotency-Key.", [(b"retry-after", b"1")])
 
+    async def _misconfigured(self, send: Send, detail: str) -> None:
+        if detail not in self._logged_causes:
+            self._logged_causes.add(detail)
+            self.log.error("pg-idempotency is misconfigured (answering 500 until it is "
+                           "fixed): %s", detail)
+        await self._problem(send, 500, "idempotency-misconfigured", detail)
+
     async def _replay(self, send: Send, code: Optional[int], stored: Any,
                       body_text: Optional[str] = None) -> None:
         headers, body = envelope_body(stored, body_text)
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
+               if k not in FRAMING_HEADERS]
+        if is_envelope(stored) and stored.get("omitted") is not None:
+            raw.append((b"idempotent-body-omitted", str(stored["omitted"]).encode("latin-1")))
         raw.append((b"idempotent-replayed", b"true"))
         raw.append(self._retention_header())
         await self._send(send, code or 200, raw, body, content_length=True)
@@ -452,7 +733,8 @@ class IdempotencyMiddleware:
     async def _send(self, send: Send, status: int, headers: List[Tuple[bytes, bytes]],
                     body: bytes, content_length: bool = False) -> None:
         if content_length:
-            headers = [h for h in headers if h[0].lower() != b"content-length"]
+            headers = [h for h in headers
+                       if h[0].decode("latin-1").lower() not in FRAMING_HEADERS]
             if status not in _NO_BODY:
                 headers.append((b"content-length", str(len(body)).encode()))
             else:
@@ -472,12 +754,15 @@ def _header(headers: List[Tuple[bytes, bytes]], name: bytes) -> Optional[str]:
     return None
 
 
-async def _read_body(receive: Receive) -> Optional[bytes]:
-    chunks = bytearray()
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks += message.get("body", b"")
-        if not message.get("more_body", False):
-            return bytes(chunks)
+def _receive_body_once(body: bytes, then: Receive) -> Receive:
+    """An ASGI receive that hands the app the body the middleware read, whole
+    and once, then answers with ``then``."""
+    delivered = False
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+    return receive

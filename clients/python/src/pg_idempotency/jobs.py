@@ -57,12 +57,13 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ._core import (CHECKPOINT_SQL, CLAIM_SQL, EXTEND_SQL, FINISH_SQL, RELEASE_SQL,
-                    SESSION_BOUND_CLAIM_SQL, ClaimRow, Duration, InProgressError,
-                    KeyLostError, MismatchError, StoredFailureError,
-                    acall_with_retry, afetch_one, call_with_retry, envelope_error,
-                    envelope_value, error_envelope, is_lost, released_before, to_seconds,
-                    to_timedelta, value_envelope)
+from ._core import (CHECKPOINT_EXTENSION, CHECKPOINT_SQL, CLAIM_SQL, EXTEND_SQL, FINISH_SQL,
+                    MIN_EXTENSION, RELEASE_SQL, SERVER_INFO_SQL, SESSION_BOUND_CLAIM_SQL,
+                    ClaimRow, Duration, InProgressError, KeyLostError, MismatchError,
+                    ServerInfo, StoredFailureError, acall_with_retry, afetch_one,
+                    call_with_retry, envelope_error, envelope_value, error_envelope, is_lost,
+                    known_server_info, released_before, remember_server_info,
+                    require_version, server_info, to_seconds, to_timedelta, value_envelope)
 
 __all__ = ["Job", "AsyncJob", "Idempotent", "AsyncIdempotent", "idempotent",
            "idempotent_job", "current_job", "Retryable"]
@@ -115,8 +116,9 @@ class _JobBase:
     value: Any
     #: 1 for the key's first attempt; more means an earlier attempt may have run partly.
     attempt: Optional[int]
-    #: The fencing token of this attempt (pass it downstream); None on replay.
-    token: Optional[int]
+    #: The fencing token of this attempt, as a decimal string (pass it
+    #: downstream as it is); None on replay.
+    token: Optional[str]
     #: The step an earlier attempt completed (its last ``checkpoint``), when
     #: this attempt took the key over: resume after it. None on a first
     #: attempt, when no attempt recorded one, and on replay. Not changed by
@@ -133,7 +135,9 @@ class _JobBase:
         self.replayed = replayed
         self.value = value
         self.attempt = attempt
-        self.token = token
+        # the token as the statements take it (a bigint) and as user code gets it
+        self._token = token
+        self.token = None if token is None else str(token)
         self.phase = phase
         self.phase_data = phase_data
         self._failure: Optional[BaseException] = None
@@ -166,7 +170,7 @@ class _JobBase:
         self._check_owner("checkpoint")
         if not isinstance(phase, str):
             raise TypeError(f"checkpoint() needs a phase name (str), not {type(phase).__name__}")
-        return {"key": self.key, "token": self.token, "phase": phase,
+        return {"key": self.key, "token": self._token, "phase": phase,
                 "data": None if data is None else Jsonb(data), "scope": self.scope}
 
     def _checkpoint_failed(self, err: psycopg.Error) -> NoReturn:
@@ -227,6 +231,7 @@ class Job(_JobBase):
         """
         params = self._checkpoint_params(phase, data)
         owner = self._owner
+        owner._runner.info(CHECKPOINT_EXTENSION, " (checkpoint())")
         with owner._beat_lock:
             try:
                 owner._runner.token_call(CHECKPOINT_SQL, params, conn=conn)
@@ -257,6 +262,7 @@ class AsyncJob(_JobBase):
         """Record a completed step; see ``Job.checkpoint``."""
         params = self._checkpoint_params(phase, data)
         owner = self._owner
+        await owner._runner.info(CHECKPOINT_EXTENSION, " (checkpoint())")
         async with owner._beat_lock:
             try:
                 await owner._runner.token_call(CHECKPOINT_SQL, params, conn=conn)
@@ -270,6 +276,13 @@ def _still_open(conn: Union["psycopg.Connection[Any]", "psycopg.AsyncConnection[
     """True while ``conn`` is in a transaction (or running a statement)."""
     return (conn is not None and not conn.closed
             and conn.info.transaction_status != TransactionStatus.IDLE)
+
+
+def _needs(session_bound: bool) -> Tuple[Tuple[int, ...], str]:
+    """The extension version a claim needs, and what needs it."""
+    if session_bound:
+        return CHECKPOINT_EXTENSION, " (session_bound=True)"
+    return MIN_EXTENSION, ""
 
 
 def _claim_outcome(row: ClaimRow, key: str, scope: str) -> None:
@@ -311,6 +324,16 @@ class _SyncRunner:
             row = _exec_committed(c, sql, params)
             self._held = stack.pop_all()
         return row
+
+    def info(self, need: Tuple[int, ...], what: str = "") -> ServerInfo:
+        """The extension's version, read once per pool or connection and
+        checked against ``need``: MisconfiguredError names the fix."""
+        info = known_server_info(self.db)
+        if info is None:
+            info = server_info(self.one(SERVER_INFO_SQL, {}))
+            remember_server_info(self.db, info)
+        require_version(info, need, what)
+        return info
 
     def release_held(self) -> None:
         """Give the claim's connection (if held) back to the pool."""
@@ -447,6 +470,7 @@ class Idempotent:
 
     def __enter__(self) -> Job:
         tx_mode = self._runner.in_transaction()
+        self._runner.info(*_needs(self._session_bound))
         row = ClaimRow(*self._runner.claim(
             SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
             _claim_params(self.key, self._request, self.scope, self._lease,
@@ -511,7 +535,7 @@ class Idempotent:
         retry = not isinstance(exc, Exception) or self._retryable(exc)
         try:
             if retry:
-                self._runner.token_call(RELEASE_SQL, {"key": self.key, "token": job.token,
+                self._runner.token_call(RELEASE_SQL, {"key": self.key, "token": job._token,
                                                       "scope": self.scope})
             else:
                 self._store(error_envelope(exc), "failed")
@@ -528,7 +552,7 @@ class Idempotent:
         assert job is not None
         try:
             self._runner.token_call(FINISH_SQL, {
-                "key": self.key, "token": job.token, "code": None, "body": Jsonb(envelope),
+                "key": self.key, "token": job._token, "code": None, "body": Jsonb(envelope),
                 "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
                 conn=conn)
         except psycopg.Error as e:
@@ -544,7 +568,7 @@ class Idempotent:
             if _still_open(self._open_checkpoint):
                 return
             self._open_checkpoint = None
-            self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
+            self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job._token,
                                            "lease": to_timedelta(self._lease),
                                            "scope": self.scope})
 
@@ -588,6 +612,15 @@ class _AsyncRunner:
             row = await _aexec_committed(c, sql, params)
             self._held = stack.pop_all()
         return row
+
+    async def info(self, need: Tuple[int, ...], what: str = "") -> ServerInfo:
+        """See ``_SyncRunner.info``."""
+        info = known_server_info(self.db)
+        if info is None:
+            info = server_info(await self.one(SERVER_INFO_SQL, {}))
+            remember_server_info(self.db, info)
+        require_version(info, need, what)
+        return info
 
     async def release_held(self) -> None:
         held, self._held = self._held, None
@@ -716,6 +749,7 @@ class AsyncIdempotent:
     async def __aenter__(self) -> AsyncJob:
         self._beat_lock = asyncio.Lock()
         tx_mode = self._runner.in_transaction()
+        await self._runner.info(*_needs(self._session_bound))
         row = ClaimRow(*await self._runner.claim(
             SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
             _claim_params(self.key, self._request, self.scope, self._lease,
@@ -779,7 +813,7 @@ class AsyncIdempotent:
         retry = not isinstance(exc, Exception) or self._retryable(exc)
         try:
             if retry:
-                await self._runner.token_call(RELEASE_SQL, {"key": self.key, "token": job.token,
+                await self._runner.token_call(RELEASE_SQL, {"key": self.key, "token": job._token,
                                                             "scope": self.scope})
             else:
                 await self._store(error_envelope(exc), "failed")
@@ -796,7 +830,7 @@ class AsyncIdempotent:
         assert job is not None
         try:
             await self._runner.token_call(FINISH_SQL, {
-                "key": self.key, "token": job.token, "code": None, "body": Jsonb(envelope),
+                "key": self.key, "token": job._token, "code": None, "body": Jsonb(envelope),
                 "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
                 conn=conn)
         except psycopg.Error as e:
@@ -811,7 +845,7 @@ class AsyncIdempotent:
             if _still_open(self._open_checkpoint):
                 return
             self._open_checkpoint = None
-            await self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job.token,
+            await self._runner.beat(EXTEND_SQL, {"key": self.key, "token": job._token,
                                                  "lease": to_timedelta(self._lease),
                                                  "scope": self.scope})
 
@@ -884,7 +918,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                    request: Optional[Callable[..., Any]] = None,
-                   scope: Union[str, Callable[..., str]] = "",
+                   scope: Union[None, str, Callable[..., str]] = None,
                    lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                    wait: Duration = 0, retryable: Optional[Retryable] = None,
                    session_bound: bool = False) -> Callable[[F], F]:
@@ -893,15 +927,22 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
     the stored value without calling it. Works on plain and ``async`` functions
     (an async function needs an async connection or pool). Inside, the running
     attempt is ``current_job()`` (its ``attempt``, fencing ``token``, ``phase``,
-    ``phase_data`` and ``checkpoint()``)."""
+    ``phase_data`` and ``checkpoint()``).
 
-    def options(args: Tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        return dict(request=None if request is None else request(*args, **kwargs),
-                    scope=scope(*args, **kwargs) if callable(scope) else scope,
-                    lease=lease, retention=retention, wait=wait, retryable=retryable,
-                    session_bound=session_bound)
+    ``scope`` defaults to the function's qualified name
+    (``f"{fn.__module__}.{fn.__qualname__}"``), so that two jobs fed the same
+    ids never share a key; ``scope=""`` is the one scope of versions before 0.3."""
 
     def decorate(fn: F) -> F:
+        default_scope = f"{fn.__module__}.{fn.__qualname__}"
+
+        def options(args: Tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+            return dict(request=None if request is None else request(*args, **kwargs),
+                        scope=(default_scope if scope is None
+                               else scope(*args, **kwargs) if callable(scope) else scope),
+                        lease=lease, retention=retention, wait=wait, retryable=retryable,
+                        session_bound=session_bound)
+
         if inspect.iscoroutinefunction(fn):
             if not isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
                 raise TypeError("an async function needs an AsyncConnection or AsyncConnectionPool")

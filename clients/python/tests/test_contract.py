@@ -1,0 +1,180 @@
+"""The HTTP contract shared with the Node library (clients/contract/http.json):
+every case, against this middleware, over real HTTP, on a real PostgreSQL.
+clients/contract/README.md says how the table is read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import httpx
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+
+from conftest import Server, database_with_extension, with_pool_lifespan
+from pg_idempotency import IdempotencyMiddleware
+
+CONTRACT = Path(os.environ.get("IDEM_CONTRACT")
+                or Path(__file__).resolve().parent.parent.parent / "contract" / "http.json")
+SPEC: Dict[str, Any] = json.loads(CONTRACT.read_text(encoding="utf-8"))
+PROBLEMS: Dict[str, Any] = SPEC["problems"]
+
+# runner-level options, not passed to the middleware as they are
+RUNNER_OPTIONS = ("keyHeader", "pool")
+
+
+def snake(name: str) -> str:
+    return re.sub(r"[A-Z]", lambda m: "_" + m.group(0).lower(), name)
+
+
+class Handler:
+    """The case's one route, /things (any method), with its run count and the
+    gate a held first run waits at."""
+
+    def __init__(self, spec: Dict[str, Any]) -> None:
+        self.spec = spec
+        self.runs = 0
+        self.started = threading.Event()       # a run has begun
+        self.release = threading.Event()       # the held first run may answer
+        self.finished = threading.Event()      # the held first run returned
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        assert scope["path"] == "/things", scope["path"]
+        self.runs += 1
+        first = self.runs == 1
+        self.started.set()
+        try:
+            if first and self.spec.get("hold"):
+                await asyncio.to_thread(self.release.wait)
+            if self.spec.get("throws"):
+                raise RuntimeError("the handler throws")
+            if "echo" in self.spec:
+                attempt = scope["state"]["idempotency"]
+                body = json.dumps({f: getattr(attempt, f) for f in self.spec["echo"]}).encode()
+                headers = [(b"content-type", b"application/json")]
+                status = 200
+            else:
+                body = payload(self.spec)
+                headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                           for k, v in self.spec.get("headers", {}).items()]
+                status = self.spec.get("status", 200)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            if first:
+                self.finished.set()
+
+
+def payload(spec: Dict[str, Any], run: str = "") -> bytes:
+    if "bodyBytes" in spec:
+        return b"x" * int(spec["bodyBytes"])
+    return str(spec.get("body", "")).replace("{run}", run).encode("utf-8")
+
+
+def make_app(handler: Handler, pool: AsyncConnectionPool, options: Dict[str, Any]) -> Any:
+    kwargs = {snake(k): v for k, v in options.items() if k not in RUNNER_OPTIONS}
+    if "keyHeader" in options:
+        name = options["keyHeader"]
+        kwargs["key"] = lambda req: req.header(name)
+    return with_pool_lifespan(IdempotencyMiddleware(handler, pool=pool, **kwargs), pool)
+
+
+@pytest.fixture(scope="module")
+def database_without_extension() -> Iterator[str]:
+    with psycopg.connect(autocommit=True) as admin, \
+            database_with_extension(admin, "idem_py_noext_", None) as name:
+        yield name
+
+
+def send_request(client: httpx.Client, spec: Dict[str, Any], run: str) -> httpx.Response:
+    headers = {k: v.replace("{run}", run) for k, v in spec.get("headers", {}).items()}
+    return client.request(spec.get("method", "POST"), spec.get("path", "/things"),
+                          headers=headers, content=payload(spec, run))
+
+
+JSON_TYPES: Dict[str, Any] = {"string": str, "number": (int, float), "boolean": bool,
+                              "object": dict, "array": list, "null": type(None)}
+
+
+def check(response: httpx.Response, expect: Dict[str, Any], handler: Handler, what: str) -> None:
+    assert response.status_code == expect["status"], f"{what}: {response.text[:300]}"
+    if "problem" in expect:
+        slug = expect["problem"]
+        assert response.headers["content-type"] == "application/problem+json", what
+        problem = response.json()
+        assert problem["type"].endswith(slug), what
+        assert problem["title"] == PROBLEMS[slug]["title"], what
+        assert problem["status"] == PROBLEMS[slug]["status"] == expect["status"], what
+        assert problem["detail"], what
+    for name, value in expect.get("headers", {}).items():
+        assert response.headers.get(name) == value, f"{what}: header {name}"
+    for name, pattern in expect.get("headersMatch", {}).items():
+        assert re.fullmatch(pattern, response.headers.get(name, "")), f"{what}: header {name}"
+    if "body" in expect:
+        assert response.text == expect["body"], what
+    if "bodyJson" in expect:
+        assert response.json() == expect["bodyJson"], what
+    if "bodyBytes" in expect:
+        assert len(response.content) == expect["bodyBytes"], what
+    for member, kind in expect.get("bodyTypes", {}).items():
+        value = response.json()[member]
+        assert isinstance(value, JSON_TYPES[kind]) and not (
+            kind == "number" and isinstance(value, bool)), f"{what}: {member} is {value!r}"
+    if "runs" in expect:
+        assert handler.runs == expect["runs"], f"{what}: handler runs"
+
+
+@pytest.mark.parametrize("case", SPEC["cases"], ids=[c["name"] for c in SPEC["cases"]])
+def test_contract(case: Dict[str, Any], request: Any) -> None:
+    options = case.get("options", {})
+    conninfo = ""
+    if options.get("pool") == "without-extension":
+        conninfo = f"dbname={request.getfixturevalue('database_without_extension')}"
+    handler = Handler(case["handler"])
+    pool = AsyncConnectionPool(conninfo, min_size=1, max_size=4, open=False)
+    run = uuid.uuid4().hex
+    background: List[Any] = []
+    with Server(make_app(handler, pool, options)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        try:
+            for i, spec in enumerate(case["requests"]):
+                what = f"request {i + 1}"
+                if spec.get("background"):
+                    result: Dict[str, Any] = {}
+                    runs_before = handler.runs
+
+                    def send_in_background(spec: Dict[str, Any] = spec,
+                                           result: Dict[str, Any] = result) -> None:
+                        with httpx.Client(base_url=server.url, timeout=60) as own:
+                            result["response"] = send_request(own, spec, run)
+
+                    thread = threading.Thread(target=send_in_background, daemon=True)
+                    thread.start()
+                    # go on once the handler runs for it (a condition, not a delay)
+                    assert handler.started.wait(30) and handler.runs > runs_before, what
+                    background.append((thread, result, spec, what))
+                    continue
+                check(send_request(client, spec, run), spec["expect"], handler, what)
+        finally:
+            handler.release.set()
+        for thread, result, spec, what in background:
+            thread.join(60)
+            check(result["response"], spec["expect"], handler, what + " (background)")
+        if case["handler"].get("hold"):
+            # a held run whose client already got its answer (504) ends before the server
+            assert handler.finished.wait(60)
+
+
+def test_every_case_ran_from_the_shared_file() -> None:
+    """The runner reads the repository's file, not a copy of its own."""
+    assert CONTRACT.name == "http.json" and CONTRACT.parent.name == "contract"
+    assert len(SPEC["cases"]) >= 25 and set(PROBLEMS) >= {
+        "idempotency-misconfigured", "idempotency-handler-timeout"}
+
