@@ -5,6 +5,7 @@ import { gzipSync } from 'node:zlib';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
 import express from 'express';
+import express4 from 'express4';
 import Fastify from 'fastify';
 import { expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext } from 'pg-idempotency';
 
@@ -151,10 +152,13 @@ function count(control, ctx) {
 		control.runs.set(ctx.key, control.count(ctx.key) + 1);
 }
 
-/** Express app over real HTTP. */
-export async function startExpress(options, { transactional = ['/tx'] } = {}) {
+/** The Express majors the middleware supports, by name. */
+export const expresses = { express5: express, express4 };
+
+/** Express app over real HTTP (Express 5 unless `major` says express4). */
+export async function startExpress(options, { transactional = ['/tx'], major = 'express5' } = {}) {
 	const { control, routes } = createControl();
-	const app = express();
+	const app = expresses[major]();
 	app.disable('x-powered-by');
 	app.use(express.json({ verify: rawBody }));
 	app.use(express.raw({ type: 'application/octet-stream', verify: rawBody }));
@@ -173,10 +177,13 @@ export async function startExpress(options, { transactional = ['/tx'] } = {}) {
 			else
 				res.end(out.bytes);
 		};
-		app.post(path, mw, run);
-		app.patch(path, mw, run);
+		/* Express 4 leaves a rejected promise unhandled: hand it on as Express 5 does */
+		const viaNext = (req, res, next) => run(req, res).catch(next);
+		app.post(path, mw, viaNext);
+		app.patch(path, mw, viaNext);
 	}
 	app.get('/plain', idem, (req, res) => res.json({ plain: true, covered: idempotencyContext(req) !== undefined }));
+	app.use(idem.errors);
 	const server = await new Promise((resolve) => {
 		const s = app.listen(0, '127.0.0.1', () => resolve(s));
 	});
@@ -223,7 +230,8 @@ export async function startFastify(options, { transactional = ['/tx'] } = {}) {
 }
 
 export const frameworks = [
-	{ name: 'express', start: startExpress },
+	{ name: 'express 5', start: (options, more) => startExpress(options, { ...more, major: 'express5' }) },
+	{ name: 'express 4', start: (options, more) => startExpress(options, { ...more, major: 'express4' }) },
 	{ name: 'fastify', start: startFastify },
 ];
 
