@@ -1609,9 +1609,12 @@ function expressIdempotency(options) {
 				return;
 			const handlerStatus = res.statusCode;
 			const handlerHeaders = res.getHeaders();
+			const held = { writeHead: res.writeHead, write: res.write, end: res.end };
 			for (const name of res.getHeaderNames())
 				res.removeHeader(name);
+			restore();
 			sendNode(res, response, original);
+			Object.assign(res, held);
 			detachHeaders(res, handlerHeaders);
 			res.statusCode = handlerStatus;
 		};
@@ -1767,8 +1770,10 @@ async function fastifyIdempotency(fastify, options) {
 		if (started.action === 'pass')
 			return;
 		if (started.action === 'respond') {
-			reply.code(started.response.status).headers(started.response.headers);
-			return reply.send(hasBody(started.response.status) ? started.response.body : undefined);
+			const { status, headers, body } = started.response;
+			reply.code(status).headers(headers);
+			/* an empty body goes as no payload, which Fastify gives no content type of its own */
+			return reply.send(hasBody(status) && body.length > 0 ? body : undefined);
 		}
 		request.idempotency = started.context;
 		request[ATTEMPT] = started;

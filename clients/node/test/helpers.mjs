@@ -132,6 +132,21 @@ export function createControl() {
 			await g.release.promise;
 			return { status: 201, json: { slow: true, attempt: ctx.attempt } };
 		},
+		'/big': async () => ({
+			status: 201, headers: { 'content-type': 'application/octet-stream', location: '/big/1' },
+			bytes: Buffer.alloc(2 * 1024 * 1024, 'b'),
+		}),
+		'/tx-big': async (ctx) => {
+			await ctx.client.query('SELECT 1');
+			return {
+				status: 201, headers: { 'content-type': 'application/octet-stream', location: '/big/1' },
+				bytes: Buffer.alloc(2 * 1024 * 1024, 'b'),
+			};
+		},
+		'/tx-status': async (ctx, req) => {
+			await ctx.client.query('INSERT INTO test_orders (request_key, note) VALUES ($1, $2)', [ctx.key, req.query.code]);
+			return { status: Number(req.query.code), json: { status: Number(req.query.code) } };
+		},
 		'/tx': async (ctx, req) => {
 			await ctx.client.query('INSERT INTO test_orders (request_key, note) VALUES ($1, $2)', [ctx.key, req.body?.note ?? null]);
 			const g = control.gates.get(ctx.key);
@@ -156,7 +171,7 @@ function count(control, ctx) {
 export const expresses = { express5: express, express4 };
 
 /** Express app over real HTTP (Express 5 unless `major` says express4). */
-export async function startExpress(options, { transactional = ['/tx'], major = 'express5' } = {}) {
+export async function startExpress(options, { transactional = ['/tx', '/tx-status', '/tx-big'], major = 'express5' } = {}) {
 	const { control, routes } = createControl();
 	const app = expresses[major]();
 	app.disable('x-powered-by');
@@ -199,7 +214,7 @@ export async function startExpress(options, { transactional = ['/tx'], major = '
 }
 
 /** Fastify app over real HTTP. */
-export async function startFastify(options, { transactional = ['/tx'] } = {}) {
+export async function startFastify(options, { transactional = ['/tx', '/tx-status', '/tx-big'] } = {}) {
 	const { control, routes } = createControl();
 	const app = Fastify();
 	app.addContentTypeParser('application/octet-stream', { parseAs: 'buffer' }, (req, body, done) => done(null, body));
