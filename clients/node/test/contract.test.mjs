@@ -4,13 +4,12 @@
 // is read.
 import { test, describe, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import http from 'node:http';
 import { readFileSync } from 'node:fs';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
 import Fastify from 'fastify';
 import { expressIdempotency, fastifyIdempotency, idempotencyContext } from 'pg-idempotency';
-import { db, deferred, expresses } from './helpers.mjs';
+import { db, deferred, exchange, expresses, listen } from './helpers.mjs';
 
 const contractPath = process.env.IDEM_CONTRACT ?? new URL('../../contract/http.json', import.meta.url);
 const contract = JSON.parse(readFileSync(contractPath, 'utf8'));
@@ -81,16 +80,7 @@ async function startExpressCase(major, options, handler) {
 		}, next);
 	});
 	app.use(idem.errors);
-	const server = await new Promise((resolve) => {
-		const s = app.listen(0, '127.0.0.1', () => resolve(s));
-	});
-	return {
-		url: `http://127.0.0.1:${server.address().port}`,
-		async close() {
-			server.closeAllConnections();
-			await new Promise((r) => server.close(r));
-		},
-	};
+	return listen(app);
 }
 
 async function startFastifyCase(options, handler) {
@@ -128,18 +118,8 @@ function request(url, spec, runId) {
 		: spec.body !== undefined ? Buffer.from(fill(spec.body)) : null;
 	if (body !== null)
 		headers['content-length'] = String(body.length);
-	return new Promise((resolve, reject) => {
-		const req = http.request(url + (spec.path ?? '/things'), { method: spec.method ?? 'POST', headers }, (res) => {
-			const chunks = [];
-			res.on('data', (c) => chunks.push(c));
-			res.on('end', () => {
-				const bytes = Buffer.concat(chunks);
-				resolve({ status: res.statusCode, headers: res.headers, bytes, text: bytes.toString('utf8') });
-			});
-			res.on('error', reject);
-		});
-		req.on('error', reject);
-		req.end(body ?? undefined);
+	return exchange(url + (spec.path ?? '/things'), {
+		method: spec.method ?? 'POST', headers, parts: body === null ? [] : [body],
 	});
 }
 

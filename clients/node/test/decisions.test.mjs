@@ -5,10 +5,9 @@
 // Express 5 and Express 4 middleware and the Fastify plugin alike.
 import { test, describe, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import http from 'node:http';
-import { createHash, randomUUID } from 'node:crypto';
+import { randomUUID } from 'node:crypto';
 import pg from 'pg';
-import { db, row, newKey, send, waitFor, frameworks } from './helpers.mjs';
+import { db, row, newKey, send, exchange, problemOf, waitFor, frameworks } from './helpers.mjs';
 
 const pool = new pg.Pool({ max: 10 });
 const NO_EXTENSION_DB = `${process.env.PGDATABASE ?? 'postgres'}_noext2`;
@@ -37,14 +36,6 @@ after(async () => {
 	await db.end();
 });
 
-function problemOf(answer, status, slug) {
-	assert.equal(answer.status, status, answer.text);
-	assert.match(answer.headers['content-type'], /^application\/problem\+json/);
-	const p = JSON.parse(answer.text);
-	assert.equal(p.type, `urn:idempotency:problem:${slug}`);
-	return p;
-}
-
 async function ordersFor(key) {
 	const { rows } = await db.query('SELECT note FROM test_orders WHERE request_key = $1', [key]);
 	return rows.map((r) => r.note);
@@ -52,19 +43,9 @@ async function ordersFor(key) {
 
 /* a request whose body comes in chunks, without a Content-Length */
 function sendChunked(baseUrl, path, { key, parts }) {
-	return new Promise((resolve, reject) => {
-		const req = http.request(baseUrl + path, {
-			method: 'POST',
-			headers: { 'content-type': 'application/octet-stream', 'idempotency-key': key, 'transfer-encoding': 'chunked' },
-		}, (res) => {
-			const chunks = [];
-			res.on('data', (c) => chunks.push(c));
-			res.on('end', () => resolve({ status: res.statusCode, headers: res.headers, text: Buffer.concat(chunks).toString() }));
-		});
-		req.on('error', reject);
-		for (const part of parts)
-			req.write(part);
-		req.end();
+	return exchange(baseUrl + path, {
+		headers: { 'content-type': 'application/octet-stream', 'idempotency-key': key },
+		parts,
 	});
 }
 

@@ -1,6 +1,7 @@
 // Shared test helpers: the database, apps of both frameworks over real HTTP,
 // a pool wrapper that counts and records statements, and gates a test opens.
 import http from 'node:http';
+import assert from 'node:assert/strict';
 import { gzipSync } from 'node:zlib';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
@@ -199,13 +200,16 @@ export async function startExpress(options, { transactional = ['/tx', '/tx-statu
 	}
 	app.get('/plain', idem, (req, res) => res.json({ plain: true, covered: idempotencyContext(req) !== undefined }));
 	app.use(idem.errors);
+	return { ...(await listen(app)), control, idem };
+}
+
+/** An Express app listening on a free port: its url, and close() that ends every connection. */
+export async function listen(app) {
 	const server = await new Promise((resolve) => {
 		const s = app.listen(0, '127.0.0.1', () => resolve(s));
 	});
 	return {
 		url: `http://127.0.0.1:${server.address().port}`,
-		control,
-		idem,
 		async close() {
 			server.closeAllConnections();
 			await new Promise((r) => server.close(r));
@@ -261,8 +265,16 @@ export function send(baseUrl, path, { method = 'POST', key, keyLines, body = '{"
 		h['idempotency-key'] = keyLines;
 	const payload = Buffer.isBuffer(body) ? body : Buffer.from(body);
 	h['content-length'] = String(payload.length);
+	return exchange(baseUrl + path, { method, headers: h, parts: [payload], signal });
+}
+
+/**
+ * One HTTP exchange: the body goes as `parts` (several writes; without a
+ * content-length header it is sent chunked), the answer comes back whole.
+ */
+export function exchange(url, { method = 'POST', headers = {}, parts = [], signal } = {}) {
 	return new Promise((resolve, reject) => {
-		const req = http.request(baseUrl + path, { method, headers: h, signal }, (res) => {
+		const req = http.request(url, { method, headers, signal }, (res) => {
 			const chunks = [];
 			res.on('data', (c) => chunks.push(c));
 			res.on('end', () => {
@@ -272,6 +284,18 @@ export function send(baseUrl, path, { method = 'POST', key, keyLines, body = '{"
 			res.on('error', reject);
 		});
 		req.on('error', reject);
-		req.end(payload);
+		for (const part of parts)
+			req.write(part);
+		req.end();
 	});
+}
+
+/** An answer that is the problem `slug` with `status`; returns the parsed problem. */
+export function problemOf(answer, status, slug) {
+	assert.equal(answer.status, status, answer.text);
+	assert.match(answer.headers['content-type'], /^application\/problem\+json/);
+	const p = JSON.parse(answer.text);
+	assert.equal(p.type, `urn:idempotency:problem:${slug}`);
+	assert.equal(p.status, status);
+	return p;
 }
