@@ -1794,7 +1794,12 @@ async function fastifyIdempotency(fastify, options) {
 			reply.code(response.status).headers(response.headers);
 			reply.header('content-length', String(response.body.length));
 			send.call(reply, response.body);
+			let late = false;
 			reply.send = function lateSend(payload) {
+				/* `return reply.send(x)` hands the reply itself back: x was taken already */
+				if (late || payload === reply)
+					return reply;
+				late = true;
 				let body;
 				let headers = { ...handlerHeaders };
 				if (payload === null || payload === undefined)
