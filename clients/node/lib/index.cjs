@@ -2,7 +2,7 @@
 /*
  * pg-idempotency: idempotency keys for node-postgres on top of the idempotency
  * PostgreSQL extension.  The database holds every key's state; this module maps
- * the extension's four claim outcomes onto jobs (idempotent()) and onto HTTP
+ * the extension's four claim outcomes onto jobs (idempotent(), idempotentJob()) and onto HTTP
  * (an Express middleware and a Fastify plugin):
  *
  *   claimed      run the work, keep the lease alive, then idem_finish or idem_release
