@@ -8,9 +8,11 @@
 # idempotency extension is installed (shared_preload_libraries = 'idempotency'
 # recommended).  Creates a fresh database (IDEM_NODE_TEST_DB, default
 # idem_client_node), packs the package with `npm pack`, installs the tarball
-# into a fresh temporary project with pg, express and fastify at the versions
-# of package-lock.json, and runs the smoke files of both entry points, the
-# type check and the suite there, against the installed package.
+# into a fresh temporary project with pg, express (5, and 4 as express4) and
+# fastify at the versions of package-lock.json, and runs the smoke files of
+# both entry points, the type check and the suite there, against the
+# installed package.  The suite runs every case of the shared HTTP contract,
+# ../contract/http.json (IDEM_CONTRACT).
 #
 # IDEM_PGBOUNCER_PORT: a PgBouncer in transaction pooling mode on the same host
 # (IDEM_PGBOUNCER_HOST overrides the host; default PGHOST) whose database
@@ -47,6 +49,8 @@ DEPS=""
 for dep in pg express fastify typescript @types/node @types/express @types/pg; do
 	DEPS="$DEPS $dep@$(version "$dep")"
 done
+# Express 4 under an alias, so that the suite runs against both majors
+DEPS="$DEPS express4@npm:express@$(version express4)"
 
 mkdir "$WORK/project"
 cp -R test "$WORK/project/test"
@@ -57,6 +61,7 @@ npm init -y >/dev/null
 npm install --prefer-offline $NPM_FLAGS "$WORK/$TGZ" $DEPS
 
 export PGDATABASE="$DB"
+export IDEM_CONTRACT="$HERE/../contract/http.json"
 node test/smoke.cjs
 node test/smoke.mjs
 npx --no-install tsc -p test/types

@@ -2,7 +2,7 @@
 /*
  * pg-idempotency: idempotency keys for node-postgres on top of the idempotency
  * PostgreSQL extension.  The database holds every key's state; this module maps
- * the extension's four claim outcomes onto jobs (idempotent()) and onto HTTP
+ * the extension's four claim outcomes onto jobs (idempotent(), idempotentJob()) and onto HTTP
  * (an Express middleware and a Fastify plugin):
  *
  *   claimed      run the work, keep the lease alive, then idem_finish or idem_release
@@ -23,12 +23,32 @@
 
 const { createHash } = require('node:crypto');
 const { Transform } = require('node:stream');
+const { AsyncLocalStorage } = require('node:async_hooks');
 
 const MAX_KEY_LENGTH = 255;
 const DEFAULT_LEASE = 30;            /* seconds */
 const DEFAULT_RETENTION = 86400;     /* seconds: 24 h */
 const DEFAULT_PROBLEM_BASE = 'urn:idempotency:problem:';
-const DEFAULT_STORE_HEADERS = ['content-type', 'content-encoding', 'location'];
+const DEFAULT_STORE_HEADERS = ['content-type', 'content-encoding', 'content-language',
+	'location', 'etag', 'last-modified'];
+/* how a response is framed on one connection: never stored, never replayed */
+const FRAMING_HEADERS = new Set(['transfer-encoding', 'content-length', 'connection', 'keep-alive',
+	'upgrade', 'te', 'trailer', 'proxy-connection']);
+/* headers that describe a body: not kept for a response stored without it */
+const BODY_HEADERS = new Set(['content-type', 'content-encoding', 'content-language']);
+const DEFAULT_RETRY_AFTER_MAX = 5;          /* seconds */
+const DEFAULT_MAX_BODY_SIZE = 1024 * 1024;  /* bytes */
+const DEFAULT_HANDLER_TIMEOUT = 300;        /* seconds */
+/* the server's default idempotency.max_response_size, when the setting cannot be read */
+const DEFAULT_MAX_RESPONSE_SIZE = 1024 * 1024;
+const CLIENT_VERSION = '1.4';
+/*
+ * Every statement this client always sends (idem_claim, idem_finish,
+ * idem_extend, idem_release, idem_lookup with the named arguments used
+ * here) exists since extension 1.0; checkpoint() and sessionBound need 1.4
+ * and say so through PostgreSQL's 42883 when they are used on an older one.
+ */
+const MIN_EXTENSION_VERSION = '1.0';
 
 /* SQLSTATEs of the extension this module reacts to */
 const SQLSTATE = {
@@ -39,7 +59,18 @@ const SQLSTATE = {
 	deadlock: '40P01',
 	serialization: '40001',
 	readOnly: '25006',
+	tooLarge: '54000',
 };
+
+/*
+ * What makes the store unavailable for a moment (a retry helps): a lost or
+ * refused connection, a server shutting down or starting, too many
+ * connections, a busy key, a serialization failure or deadlock, a read-only
+ * server after a failover, a cancelled statement.  Anything else while
+ * claiming is a misconfiguration a retry does not fix.
+ */
+const UNAVAILABLE_SQLSTATES = new Set(['57P01', '57P02', '57P03', '53300', '55P03', '40001',
+	'40P01', '25006', '57014']);
 
 /*
  * Results come back as jsonb text and are parsed here, so a pool whose jsonb
@@ -59,6 +90,7 @@ SELECT c.outcome, c.token::text AS token, c.attempt, c.status, c.response_code,
        c.response_body ->> 'base64' AS base64,
        (c.response_body -> 'error')::text AS error,
        c.retry_after,
+       c.response_body ->> 'omitted' AS omitted,
        CASE WHEN c.outcome = 'claimed' AND c.attempt > 1
             THEN pg_catalog.to_jsonb(c) ->> 'phase' END AS phase,
        CASE WHEN c.outcome = 'claimed' AND c.attempt > 1
@@ -83,6 +115,31 @@ SELECT (pg_catalog.date_part('epoch', f.expires_at) * 1000)::float8 AS expires_m
                                retention => pg_catalog.make_interval(secs => $7::float8))
        AS f(expires_at)`;
 
+/*
+ * The HTTP finish: $8 is the JSON body text as the handler wrote it (null
+ * when the body is not stored as JSON).  When jsonb's text of it differs, the
+ * handler's ETag named bytes nobody gets, and it is not stored.
+ */
+const HTTP_FINISH_SQL = `
+SELECT (pg_catalog.date_part('epoch', f.expires_at) * 1000)::float8 AS expires_ms,
+       ($4::jsonb -> 'json')::text AS json
+  FROM idempotency.idem_finish(key => $1, token => $2::bigint, response_code => $3::int,
+                               response_body => CASE
+                                   WHEN $8::text IS NOT NULL
+                                    AND ($4::jsonb -> 'json')::text IS DISTINCT FROM $8::text
+                                   THEN $4::jsonb #- '{headers,etag}'
+                                   ELSE $4::jsonb END,
+                               scope => $5, status => $6,
+                               retention => pg_catalog.make_interval(secs => $7::float8))
+       AS f(expires_at)`;
+
+/* once per pool: which database, which extension version, which response size limit */
+const ENVIRONMENT_SQL = `
+SELECT pg_catalog.current_database() AS database,
+       (SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'idempotency') AS version,
+       (SELECT setting FROM pg_catalog.pg_settings
+         WHERE name = 'idempotency.max_response_size') AS max_response_size`;
+
 const EXTEND_SQL = `
 SELECT idempotency.idem_extend(key => $1, token => $2::bigint,
                                lease => pg_catalog.make_interval(secs => $3::float8),
@@ -96,7 +153,8 @@ SELECT (pg_catalog.date_part('epoch', l.expires_at) * 1000)::float8 AS expires_m
        l.status, l.response_code,
        (l.response_body -> 'headers')::text AS headers,
        (l.response_body -> 'json')::text AS json,
-       l.response_body ->> 'base64' AS base64
+       l.response_body ->> 'base64' AS base64,
+       l.response_body ->> 'omitted' AS omitted
   FROM idempotency.idem_lookup(key => $1, scope => $2) AS l`;
 
 /* ------------------------------------------------------------------ errors */
@@ -149,7 +207,102 @@ class KeyLostError extends IdempotencyError {
 	}
 }
 
+/*
+ * The idempotency store cannot work as configured (no extension, an old
+ * one, no permission, a closed pool): retrying does not help, the message
+ * says what to fix.
+ */
+class MisconfiguredError extends IdempotencyError {}
+
 /* ----------------------------------------------------------------- helpers */
+
+function isUnavailable(err) {
+	const code = err?.code;
+	if (typeof err?.severity === 'string' && typeof code === 'string')    /* a server error: SQLSTATE */
+		return code.startsWith('08') || UNAVAILABLE_SQLSTATES.has(code);
+	if (typeof code === 'string')                       /* a socket error: ECONNREFUSED, ETIMEDOUT, ... */
+		return code !== 'ENOTFOUND';
+	/* pg's own errors carry no code: a closed pool is a mistake, a lost connection is not */
+	return !/after calling end on the pool|Client was closed and is not queryable/i.test(String(err?.message));
+}
+
+/* the database the pool connects to, as far as its options tell */
+function knownDatabase(pool) {
+	return pool?.options?.database ?? pool?.database ?? process.env.PGDATABASE ?? null;
+}
+
+function notInstalled(database) {
+	return `The idempotency extension is not installed in database ${JSON.stringify(database ?? '?')}: ` +
+		'run CREATE EXTENSION idempotency.';
+}
+
+/* what a misconfiguration error means and how to fix it */
+function misconfigurationDetail(err, database) {
+	const code = err?.code;
+	const message = String(err?.message ?? err);
+	if (code === '42883' || code === '3F000')
+		return notInstalled(database);
+	if (code === '42501')
+		return `The database role may not use the idempotency extension (${message}): ` +
+			'GRANT USAGE ON SCHEMA idempotency TO the role of the pool.';
+	if (typeof code === 'string' && code.startsWith('28'))
+		return `PostgreSQL refused the pool's login (${code}: ${message}): check the user and password of the pool.`;
+	if (code === '3D000')
+		return `The pool's database does not exist (${message}): check the database setting of the pool.`;
+	if (code === 'ENOTFOUND')
+		return `The database host was not found (${message}): check the host setting of the pool.`;
+	if (/after calling end on the pool|Client was closed/i.test(message))
+		return `The pg pool given to pg-idempotency is closed (${message}): pass a pool that stays open while the app serves requests.`;
+	return `Claiming the key failed with ${code ?? 'an error'} (${message}); retrying does not help: ` +
+		'check the database and the idempotency extension.';
+}
+
+function versionParts(version) {
+	return String(version).split('.').map((n) => Number.parseInt(n, 10) || 0);
+}
+
+function versionBefore(a, b) {
+	const x = versionParts(a);
+	const y = versionParts(b);
+	for (let i = 0; i < Math.max(x.length, y.length); i++)
+		if ((x[i] ?? 0) !== (y[i] ?? 0))
+			return (x[i] ?? 0) < (y[i] ?? 0);
+	return false;
+}
+
+/*
+ * Read once per pool, at its first claim: the database's name, the
+ * extension's version (absent or too old: MisconfiguredError) and
+ * idempotency.max_response_size.  A failed read is not kept, so the next
+ * claim reads again (after CREATE EXTENSION, or once the server is back).
+ */
+const ENVIRONMENTS = new WeakMap();
+
+function poolInfo(pool, log) {
+	let pending = ENVIRONMENTS.get(pool);
+	if (pending === undefined) {
+		pending = (async () => {
+			const { rows } = await pool.query(ENVIRONMENT_SQL);
+			const { database, version, max_response_size: max } = rows[0];
+			if (version === null || version === undefined)
+				throw new MisconfiguredError(notInstalled(database));
+			if (versionBefore(version, MIN_EXTENSION_VERSION))
+				throw new MisconfiguredError(`pg-idempotency ${CLIENT_VERSION} needs the idempotency ` +
+					`extension ${MIN_EXTENSION_VERSION} or later; database ${JSON.stringify(database)} ` +
+					`has ${version}: run ALTER EXTENSION idempotency UPDATE.`);
+			const maxResponseSize = max === null || max === undefined ? DEFAULT_MAX_RESPONSE_SIZE : Number(max);
+			log(`pg-idempotency: database ${JSON.stringify(database)}, idempotency extension ${version}; ` +
+				`responses over ${maxResponseSize} bytes are stored without their body`);
+			return { database, version, maxResponseSize };
+		})();
+		ENVIRONMENTS.set(pool, pending);
+		pending.catch(() => {
+			if (ENVIRONMENTS.get(pool) === pending)
+				ENVIRONMENTS.delete(pool);
+		});
+	}
+	return pending;
+}
 
 function isLostKey(err) {
 	return err?.code === SQLSTATE.deadToken || err?.code === SQLSTATE.finishedByOther ||
@@ -319,6 +472,7 @@ async function idempotent(pool, options, fn) {
 		throw new TypeError(`options.sessionBound must be a boolean, got ${String(options.sessionBound)}`);
 	const sessionBound = options.sessionBound === true;
 	const params = [key, request, scope, lease, retention, wait];
+	await poolInfo(pool, log);
 
 	/*
 	 * A session-bound claim through a pool runs on a client held until the
@@ -431,6 +585,48 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, retryable
 	return { replayed: false, value, attempt, token };
 }
 
+const jobs = new AsyncLocalStorage();
+
+/*
+ * idempotentJob(pool, options, fn): fn wrapped so that each call runs it at
+ * most once per key, the key (and the request and scope, when they are
+ * functions) computed from the call's arguments.  The scope defaults to the
+ * function's name: two jobs whose arguments give the same key (an order id)
+ * are still two operations.  Inside fn, currentJob() is the running attempt.
+ */
+function idempotentJob(pool, options, fn) {
+	if (!pool || typeof pool.query !== 'function')
+		throw new TypeError('idempotentJob(pool, options, fn) needs a pg Pool (or anything with query())');
+	if (typeof fn !== 'function')
+		throw new TypeError('idempotentJob(pool, options, fn) needs the job function');
+	const { key, request, scope = fn.name, ...rest } = options ?? {};
+	if (typeof key !== 'function')
+		throw new TypeError('idempotentJob needs options.key: a function of the job\'s arguments returning its key');
+	if (request !== undefined && typeof request !== 'function')
+		throw new TypeError('options.request of idempotentJob must be a function of the job\'s arguments');
+	if (scope === '' && options?.scope === undefined)
+		throw new TypeError('idempotentJob: the job function has no name, and its name is the default ' +
+			'scope: pass options.scope (a string, or a function of the job\'s arguments)');
+	if (typeof scope !== 'string' && typeof scope !== 'function')
+		throw new TypeError('options.scope of idempotentJob must be a string or a function of the job\'s arguments');
+	const job = async function (...args) {
+		const result = await idempotent(pool, {
+			...rest,
+			key: await key(...args),
+			request: request === undefined ? undefined : await request(...args),
+			scope: typeof scope === 'function' ? await scope(...args) : scope,
+		}, (attempt) => jobs.run(attempt, () => fn.apply(this, args)));
+		return result.value;
+	};
+	Object.defineProperty(job, 'name', { value: fn.name });
+	return job;
+}
+
+/* the attempt of the idempotentJob running in this async context, or undefined */
+function currentJob() {
+	return jobs.getStore();
+}
+
 /* a job's stored value: json, the bytes of base64, or undefined for none (an older {"v":1}) */
 function storedValue(claim) {
 	if (claim.json !== null)
@@ -453,9 +649,9 @@ async function releaseOrLost(db, key, token, scope, cause) {
 	}
 }
 
-async function finishOrLost(db, params, cause) {
+async function finishOrLost(db, params, cause, sql = FINISH_SQL) {
 	try {
-		return (await queryWithRetry(db, FINISH_SQL, params)).rows[0];
+		return (await queryWithRetry(db, sql, params)).rows[0];
 	} catch (err) {
 		if (isLostKey(err))
 			throw new KeyLostError(params[0], { cause: cause ?? err });
@@ -556,20 +752,50 @@ function repeated() {
 
 const PROBLEM_TITLES = {
 	'idempotency-key-missing': 'Idempotency-Key header missing',
+	'idempotency-key-malformed': 'Idempotency-Key header malformed',
 	'idempotency-key-repeated': 'Idempotency-Key header repeated',
-	'idempotency-key-malformed': 'Malformed Idempotency-Key',
 	'idempotency-key-too-long': 'Idempotency-Key too long',
 	'idempotency-key-in-use': 'A request with this Idempotency-Key is in progress',
 	'idempotency-key-reused': 'Idempotency-Key reused with a different request',
-	'idempotency-key-lost': 'Request attempt superseded',
+	'idempotency-key-lost': 'Idempotency-Key lost to a newer attempt',
+	'idempotency-request-too-large': 'Request body too large',
+	'idempotency-misconfigured': 'Idempotency middleware misconfigured',
 	'idempotency-unavailable': 'Idempotency store briefly unavailable',
+	'idempotency-handler-timeout': 'Request handler timed out',
 };
+
+/*
+ * A key returned by the key(req) option: the same limits as the header's
+ * key, without its quoting rules (the value comes from the application).
+ */
+function checkCustomKey(value) {
+	if (typeof value !== 'string')
+		throw new TypeError(`key(req) must return a string, or null when the request has none; got ${typeof value}`);
+	if (value.length === 0)
+		return malformed('The idempotency key of this request is empty.');
+	if (/[\u0000-\u001f\u007f]/.test(value))
+		return malformed('The idempotency key of this request holds control characters.');
+	if (value.length > MAX_KEY_LENGTH)
+		return {
+			problem: 'idempotency-key-too-long',
+			detail: `The idempotency key is ${value.length} characters long; ` +
+				`the limit is ${MAX_KEY_LENGTH} characters.`,
+		};
+	return { key: value };
+}
 
 /* -------------------------------------------------------------- HTTP engine */
 
-/* Stripe's documented behaviour: what a status means for the key */
-function defaultStorePolicy(status) {
+/*
+ * Stripe's documented behaviour: what a status means for the key.  A 304
+ * answers a conditional request of one client and is never replayed to
+ * another; a 5xx says nothing about the request unless the application
+ * wants it kept (storeServerErrors).
+ */
+function defaultStorePolicy(status, { storeServerErrors = false } = {}) {
 	if (status >= 500)
+		return storeServerErrors ? 'failed' : 'release';
+	if (status === 304)
 		return 'release';
 	if (status === 408 || status === 409 || status === 425 || status === 429)
 		return 'release';
@@ -587,23 +813,30 @@ function isJsonType(contentType) {
 
 const utf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true });
 
+/* jsonb refuses \u0000 and unpaired surrogate escapes */
+const JSONB_REFUSES = /\\u(0000|d[89a-f][0-9a-f]{2})/i;
+
+/* the body as JSON text jsonb accepts as it is, or null */
+function jsonText(body) {
+	try {
+		const text = utf8.decode(body);
+		JSON.parse(text);
+		return JSONB_REFUSES.test(text) ? null : text;
+	} catch {
+		return null;
+	}
+}
+
 /*
  * The envelope's body member: "json" when the body is JSON that jsonb keeps
- * as it is, "base64" otherwise.  jsonb refuses \u0000 and unpaired surrogate
- * escapes, so a body that holds such escapes is kept as bytes instead.
+ * as it is, "base64" otherwise.
  */
 function bodyMember(contentType, body) {
 	if (body.length === 0)
 		return null;
 	if (isJsonType(contentType)) {
-		let text = null;
-		try {
-			text = utf8.decode(body);
-			JSON.parse(text);
-		} catch {
-			text = null;
-		}
-		if (text !== null && !/\\u(0000|d[89a-f][0-9a-f]{2})/i.test(text))
+		const text = jsonText(body);
+		if (text !== null)
 			return { json: text };
 	}
 	return { base64: body.toString('base64') };
@@ -615,11 +848,14 @@ function headerValue(value) {
 	return String(value);
 }
 
+/* lower-case names; the framing headers go: the body is sent with its own Content-Length */
 function normaliseHeaders(headers) {
 	const out = {};
-	for (const [name, value] of Object.entries(headers ?? {}))
-		if (value !== undefined && value !== null)
-			out[name.toLowerCase()] = value;
+	for (const [name, value] of Object.entries(headers ?? {})) {
+		const lower = name.toLowerCase();
+		if (value !== undefined && value !== null && !FRAMING_HEADERS.has(lower))
+			out[lower] = value;
+	}
 	return out;
 }
 
@@ -653,15 +889,19 @@ function createCache(max) {
 	};
 }
 
+/* the request body was over maxBodySize: what a rawBody() reader returns then */
+const TOO_LARGE = Symbol('pg-idempotency.tooLarge');
+
 /*
  * The framework-free part of the HTTP behaviour.  A framework adapter calls
- * begin() with the request's method, path, header lines and raw body; the
- * answer is one of:
+ * begin() with the request's method, path, header lines, a reader of the raw
+ * body and onTimeout(response); the answer is one of:
  *   { action: 'pass' }                       not covered: run the route as usual
- *   { action: 'respond', response }          answer now (4xx, 409, 422, a replay)
+ *   { action: 'respond', response }          answer now (4xx, 409, 422, 5xx, a replay)
  *   { action: 'run', context, complete, abandon }
  *       run the handler; hand its response to complete(), which stores it per
- *       the status policy and resolves to the response to send.
+ *       the status policy and resolves to the response to send, or to null
+ *       when onTimeout already answered the client.
  */
 function createEngine(options) {
 	const pool = options?.pool;
@@ -670,15 +910,38 @@ function createEngine(options) {
 	const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => m.toUpperCase()));
 	const required = options.required ?? true;
 	const scopeOf = options.scope ?? (() => '');
+	const keyOf = options.key ?? null;
+	if (keyOf !== null && typeof keyOf !== 'function')
+		throw new TypeError('options.key must be a function key(req) returning the key, or null when the request has none');
 	const fingerprintOf = options.fingerprint ?? null;
 	const lease = positiveSeconds(options.lease, 'lease', DEFAULT_LEASE);
 	const retention = positiveSeconds(options.retention, 'retention', DEFAULT_RETENTION);
+	const retryAfterMax = Math.max(1, Math.floor(positiveSeconds(options.retryAfterMax, 'retryAfterMax', DEFAULT_RETRY_AFTER_MAX)));
+	const handlerTimeout = options.handlerTimeout === 0 || options.handlerTimeout === null ? 0
+		: positiveSeconds(options.handlerTimeout, 'handlerTimeout', DEFAULT_HANDLER_TIMEOUT);
+	const maxBodySize = options.maxBodySize ?? DEFAULT_MAX_BODY_SIZE;
+	if (!Number.isSafeInteger(maxBodySize) || maxBodySize < 0)
+		throw new TypeError(`maxBodySize must be a number of bytes, got ${String(options.maxBodySize)}`);
+	const canonicalJson = options.canonicalJson ?? false;
+	if (typeof canonicalJson !== 'boolean')
+		throw new TypeError(`canonicalJson must be a boolean, got ${String(canonicalJson)}`);
+	const storeServerErrors = options.storeServerErrors ?? false;
+	if (typeof storeServerErrors !== 'boolean')
+		throw new TypeError(`storeServerErrors must be a boolean, got ${String(storeServerErrors)}`);
+	const failedWrites = options.failedWrites ?? 'commit';
+	if (failedWrites !== 'commit' && failedWrites !== 'rollback')
+		throw new TypeError(`failedWrites must be 'commit' or 'rollback', got ${String(failedWrites)}`);
 	const problemBase = options.problemTypeBase ?? DEFAULT_PROBLEM_BASE;
-	const storePolicy = options.storePolicy ?? defaultStorePolicy;
-	const storeHeaders = (options.storeHeaders ?? DEFAULT_STORE_HEADERS).map((h) => h.toLowerCase());
+	const storePolicy = options.storePolicy ?? ((status) => defaultStorePolicy(status, { storeServerErrors }));
+	const storeHeaders = [...new Set([...DEFAULT_STORE_HEADERS,
+		...(options.storeHeaders ?? []).map((h) => String(h).toLowerCase())])]
+		.filter((h) => !FRAMING_HEADERS.has(h));
+	/* a response stored without its body keeps no header that describes the body */
+	const omittedHeaders = storeHeaders.filter((h) => !BODY_HEADERS.has(h));
 	const log = options.log ?? defaultLog;
 	const cache = options.cache ? createCache(Math.max(1, options.cache.max ?? 1000)) : null;
 	const retentionHeader = String(Math.round(retention));
+	const logged = new Set();
 
 	function problem(slug, status, detail, extraHeaders = {}) {
 		const body = Buffer.from(JSON.stringify({
@@ -699,37 +962,72 @@ function createEngine(options) {
 		'This attempt took longer than its lease and another attempt with the same ' +
 		'Idempotency-Key took over; this result was not stored. Retry to get the stored result.');
 
-	const unavailable = () => problem('idempotency-unavailable', 503,
-		'The result could not be recorded. Retry this request with the same Idempotency-Key.',
-		{ 'retry-after': '1' });
+	const unavailable = (detail = 'The result could not be recorded. Retry this request with the same Idempotency-Key.') =>
+		problem('idempotency-unavailable', 503, detail, { 'retry-after': '1' });
+
+	/* each distinct cause is logged once, not once per request */
+	function misconfigured(detail, err) {
+		if (!logged.has(detail)) {
+			logged.add(detail);
+			log(`pg-idempotency: misconfigured: ${detail}`, err);
+		}
+		return problem('idempotency-misconfigured', 500, detail);
+	}
+
+	/* a failed claim (or the check before it) as an answer: 503 when retrying helps, else 500 */
+	function claimFailure(err, database) {
+		if (err instanceof MisconfiguredError)
+			return misconfigured(err.message, undefined);
+		if (isUnavailable(err)) {
+			log('pg-idempotency: the idempotency store is unavailable', err);
+			return unavailable('The idempotency store could not be reached. Retry this request with the same Idempotency-Key.');
+		}
+		return misconfigured(misconfigurationDetail(err, database), err);
+	}
 
 	/* a stored envelope as an HTTP response */
 	function replayResponse(row) {
-		const headers = row.headers === null ? {} : JSON.parse(row.headers);
+		const headers = normaliseHeaders(row.headers === null ? {} : JSON.parse(row.headers));
 		let body = Buffer.alloc(0);
 		if (row.json !== null)
 			body = Buffer.from(row.json);
 		else if (row.base64 !== null)
 			body = Buffer.from(row.base64, 'base64');
+		const omitted = row.omitted ?? null;
 		return {
 			status: row.response_code ?? 200,
 			headers: {
 				...headers,
 				'idempotent-replayed': 'true',
+				...(omitted === null ? {} : { 'idempotent-body-omitted': String(omitted) }),
 				'idempotency-key-retention': retentionHeader,
 			},
 			body,
 		};
 	}
 
-	function releaseStatus(err) {
-		return isTransient(err) || err?.code === SQLSTATE.readOnly ? unavailable() : null;
+	/* the fingerprint sent as jsonb text: built from the raw text, so numbers stay exact */
+	function defaultFingerprint(method, path, contentType, body) {
+		if (canonicalJson && isJsonType(contentType)) {
+			const text = jsonText(body);
+			if (text !== null)
+				return `{"method":${JSON.stringify(method)},"path":${JSON.stringify(path)},"body":${text}}`;
+		}
+		return JSON.stringify({
+			method, path, body_sha256: createHash('sha256').update(body).digest('hex'),
+		});
 	}
 
 	async function begin(req, { transactional = false } = {}) {
 		if (!methods.has(String(req.method).toUpperCase()))
 			return { action: 'pass' };
-		const parsed = parseIdempotencyKey(req.keyLines);
+		let parsed;
+		if (keyOf) {
+			const value = await keyOf(req.original);
+			parsed = value === null || value === undefined ? { missing: true } : checkCustomKey(value);
+		} else {
+			parsed = parseIdempotencyKey(req.keyLines);
+		}
 		if (parsed.missing) {
 			if (!required)
 				return { action: 'pass' };
@@ -744,16 +1042,33 @@ function createEngine(options) {
 		if (parsed.problem)
 			return { action: 'respond', response: problem(parsed.problem, 400, parsed.detail) };
 
+		const tooLarge = () => ({
+			action: 'respond',
+			response: problem('idempotency-request-too-large', 413,
+				`The request body is over ${maxBodySize} bytes, the most this endpoint accepts; ` +
+				'the Idempotency-Key was not used.'),
+		});
+		if (Number(req.contentLength) > maxBodySize)
+			return tooLarge();
+
 		const key = parsed.key;
+		let requestText;
+		if (fingerprintOf) {
+			requestText = toJsonText(await fingerprintOf(req.original), 'the request fingerprint');
+		} else {
+			let body;
+			try {
+				body = await req.rawBody(maxBodySize);
+			} catch (err) {
+				if (err instanceof MisconfiguredError)
+					return { action: 'respond', response: misconfigured(err.message) };
+				throw err;
+			}
+			if (body === TOO_LARGE)
+				return tooLarge();
+			requestText = defaultFingerprint(String(req.method).toUpperCase(), req.path, req.contentType, body);
+		}
 		const scope = String((await scopeOf(req.original)) ?? '');
-		const fingerprint = fingerprintOf
-			? await fingerprintOf(req.original)
-			: {
-				method: String(req.method).toUpperCase(),
-				path: req.path,
-				body_sha256: createHash('sha256').update(await req.rawBody()).digest('hex'),
-			};
-		const requestText = toJsonText(fingerprint, 'the request fingerprint');
 		const cacheId = `${scope}\u0000${key}`;
 
 		if (cache) {
@@ -764,12 +1079,16 @@ function createEngine(options) {
 
 		let client = null;
 		let claim;
+		let info = null;
 		try {
+			info = await poolInfo(pool, log);
 			if (transactional) {
 				client = await pool.connect();
 				await client.query('BEGIN');
 				claim = (await client.query(CLAIM_SQL,
 					[key, requestText, scope, lease, retention, 0])).rows[0];
+				if (claim.outcome === 'claimed' && failedWrites === 'rollback')
+					await client.query('SAVEPOINT idem_handler');
 				if (claim.outcome !== 'claimed') {
 					await client.query('ROLLBACK');
 					client.release();
@@ -782,12 +1101,7 @@ function createEngine(options) {
 		} catch (err) {
 			if (client)
 				await discard(client);
-			const answer = releaseStatus(err);
-			if (answer) {
-				log('pg-idempotency: claim failed', err);
-				return { action: 'respond', response: answer };
-			}
-			throw err;
+			return { action: 'respond', response: claimFailure(err, info?.database ?? knownDatabase(pool)) };
 		}
 
 		switch (claim.outcome) {
@@ -798,7 +1112,8 @@ function createEngine(options) {
 				return { action: 'respond', response };
 			}
 			case 'in_progress': {
-				const retryAfter = String(claim.retry_after ?? 1);
+				const wait = Math.ceil(Number(claim.retry_after ?? 1));
+				const retryAfter = String(Math.min(Math.max(1, Number.isFinite(wait) ? wait : 1), retryAfterMax));
 				return {
 					action: 'respond',
 					response: problem('idempotency-key-in-use', 409,
@@ -840,17 +1155,52 @@ function createEngine(options) {
 			onBeat: options.onHeartbeat,
 		});
 		let settled = false;
+		let timedOut = false;
+		/*
+		 * Past handlerTimeout the client gets a 504 and the lease is left to run
+		 * out (no more heartbeats), so a retry may take the key over; the
+		 * fencing token tells the downstream which attempt is newer.
+		 */
+		const timer = handlerTimeout > 0 ? setTimeout(() => {
+			if (settled)
+				return;
+			timedOut = true;
+			heartbeat?.stop();
+			controller.abort(new IdempotencyError(`the handler of key ${JSON.stringify(key)} ` +
+				`ran past handlerTimeout (${handlerTimeout} s)`));
+			log(`pg-idempotency: the handler of key ${JSON.stringify(key)} ran past ` +
+				`handlerTimeout (${handlerTimeout} s); answered 504`);
+			req.onTimeout(problem('idempotency-handler-timeout', 504,
+				`The request handler did not answer within ${handlerTimeout} s. Its outcome is ` +
+				'unknown: retry later with the same Idempotency-Key to get the stored result, ' +
+				'or to run the request again once its lease has ended.'));
+		}, handlerTimeout * 1000) : null;
+		timer?.unref?.();
 
 		async function complete(response) {
 			if (settled)
 				throw new IdempotencyError('the response of this attempt was already completed');
 			settled = true;
+			clearTimeout(timer);
 			await heartbeat?.stop();
+			if (timedOut && client) {
+				/* the client was told 504: what the late handler wrote is not committed */
+				await discard(client);
+				client = null;
+				log(`pg-idempotency: the late handler of key ${JSON.stringify(key)} finished; ` +
+					'its transaction was rolled back');
+				return null;
+			}
+			const answer = await store(response);
+			return timedOut ? null : answer;
+		}
+
+		async function store(response) {
 			const status = response.status;
 			const headers = normaliseHeaders(response.headers);
 			headers['idempotency-key-retention'] = retentionHeader;
 			/* 204 and 304 carry no body, whatever a framework put in its payload */
-			const body = status === 204 || status === 304 ? Buffer.alloc(0) : response.body ?? Buffer.alloc(0);
+			const body = hasBody(status) ? response.body ?? Buffer.alloc(0) : Buffer.alloc(0);
 			if (lost) {
 				log(`pg-idempotency: key ${JSON.stringify(key)} was lost while its handler ran; ` +
 					'the result was not stored');
@@ -862,7 +1212,8 @@ function createEngine(options) {
 			}
 			let decision;
 			try {
-				decision = storePolicy(status);
+				/* a thrown error says nothing about the request: the key is released */
+				decision = response.threw ? 'release' : storePolicy(status);
 				if (decision !== 'succeeded' && decision !== 'failed' && decision !== 'release')
 					throw new TypeError(`storePolicy(${status}) returned ${String(decision)}; ` +
 						"expected 'succeeded', 'failed' or 'release'");
@@ -905,19 +1256,52 @@ function createEngine(options) {
 				if (headers[name] !== undefined)
 					stored[name] = headerValue(headers[name]);
 			const member = bodyMember(headers['content-type'], body);
-			const envelope = `{"v":1,"headers":${JSON.stringify(stored)}` +
+			const full = `{"v":1,"headers":${JSON.stringify(stored)}` +
 				(member === null ? '' : member.json !== undefined
 					? `,"json":${member.json}` : `,"base64":"${member.base64}"`) + '}';
-			const params = [key, token, status, envelope, scope, decision, retention];
+			const withoutBody = () => {
+				const kept = {};
+				for (const name of omittedHeaders)
+					if (stored[name] !== undefined)
+						kept[name] = stored[name];
+				return { envelope: JSON.stringify({ v: 1, headers: kept, omitted: 'too-large' }), kept };
+			};
+			const maxResponseSize = info.maxResponseSize;
+			let omitted = Buffer.byteLength(full) > maxResponseSize ? withoutBody() : null;
 			let row;
 			try {
 				if (client) {
-					row = (await client.query(FINISH_SQL, params)).rows[0];
+					if (failedWrites === 'rollback' && decision === 'failed')
+						await client.query('ROLLBACK TO SAVEPOINT idem_handler');
+					/*
+					 * jsonb may take more room than its text: near the limit, a
+					 * savepoint lets a refused finish (54000) store the outcome
+					 * without the body instead of losing the transaction.
+					 */
+					const guarded = omitted === null && Buffer.byteLength(full) * 8 > maxResponseSize;
+					if (guarded)
+						await client.query('SAVEPOINT idem_finish');
+					try {
+						row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
+					} catch (err) {
+						if (!guarded || err?.code !== SQLSTATE.tooLarge)
+							throw err;
+						await client.query('ROLLBACK TO SAVEPOINT idem_finish');
+						omitted = withoutBody();
+						row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
+					}
 					await client.query('COMMIT');
 					client.release();
 					client = null;
 				} else {
-					row = await finishOrLost(pool, params);
+					try {
+						row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
+					} catch (err) {
+						if (omitted !== null || err?.code !== SQLSTATE.tooLarge)
+							throw err;
+						omitted = withoutBody();
+						row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
+					}
 				}
 			} catch (err) {
 				if (client) {
@@ -934,11 +1318,21 @@ function createEngine(options) {
 					await releaseOrLost(pool, key, token, scope).catch(() => {});
 				return unavailable();
 			}
+			if (omitted !== null) {
+				/* this client gets the whole response; retries get its status and headers */
+				if (cache)
+					cache.set(cacheId, requestText, replayResponse({
+						headers: JSON.stringify(omitted.kept), json: null, base64: null,
+						omitted: 'too-large', response_code: status,
+					}), row.expires_ms);
+				return { status, headers, body };
+			}
 			/* what this client sees is what every retry will see, byte for byte */
 			const sent = member?.json !== undefined ? Buffer.from(row.json) : body;
-			if (sent !== body) {
-				delete headers['content-length'];
+			if (!sent.equals(body)) {
+				/* an ETag named the bytes the handler wrote, which nobody gets */
 				delete headers.etag;
+				delete stored.etag;
 			}
 			if (cache)
 				cache.set(cacheId, requestText, replayResponse({
@@ -948,11 +1342,17 @@ function createEngine(options) {
 			return { status, headers, body: sent };
 		}
 
+		function finishParams(omitted, full, member, decision, status) {
+			return [key, token, status, omitted === null ? full : omitted.envelope, scope, decision,
+				retention, omitted === null && member?.json !== undefined ? member.json : null];
+		}
+
 		/* the request died without a response: give the key back */
 		async function abandon(err) {
 			if (settled)
 				return;
 			settled = true;
+			clearTimeout(timer);
 			await heartbeat?.stop();
 			if (client) {
 				await discard(client);
@@ -963,7 +1363,7 @@ function createEngine(options) {
 			log('pg-idempotency: the request ended without a response; key released', err);
 		}
 
-		return { action: 'run', context, complete, abandon };
+		return { action: 'run', context, complete, abandon, get timedOut() { return timedOut; } };
 	}
 
 	/*
@@ -976,14 +1376,15 @@ function createEngine(options) {
 			const { rows } = await pool.query(LOOKUP_SQL, [key, scope]);
 			const found = rows[0];
 			if (found && found.status === claim.status && found.response_code === claim.response_code &&
-				found.headers === claim.headers && found.json === claim.json && found.base64 === claim.base64)
+				found.headers === claim.headers && found.json === claim.json &&
+				found.base64 === claim.base64 && found.omitted === claim.omitted)
 				cache.set(cacheId, requestText, response, found.expires_ms);
 		} catch (err) {
 			log('pg-idempotency: lookup for the cache failed', err);
 		}
 	}
 
-	return { begin, cache, retentionHeader, problem };
+	return { begin, cache, retentionHeader, problem, misconfigured };
 }
 
 /* roll back and return the client; a client that cannot roll back is destroyed */
@@ -999,6 +1400,7 @@ async function discard(client) {
 /* ------------------------------------------------------------------ Express */
 
 const RAW_BODY = Symbol.for('pg-idempotency.rawBody');
+const THREW = Symbol('pg-idempotency.threw');
 
 /*
  * A body parser's verify hook that keeps the raw bytes for the fingerprint:
@@ -1017,21 +1419,77 @@ function readStream(stream) {
 	});
 }
 
+/*
+ * Read a request body that no parser has read yet (at most limit + 1 bytes)
+ * and put it back: the bytes are unshifted into the stream before it emits
+ * 'end', so a body parser mounted after the middleware (express.json(),
+ * express.text(), ...) reads the whole body as if nobody had.
+ */
+function peekBody(req, limit) {
+	return new Promise((resolve, reject) => {
+		const chunks = [];
+		let size = 0;
+		const finish = (value, err) => {
+			req.off('readable', onReadable);
+			req.off('error', onError);
+			req.off('close', onClose);
+			if (err)
+				reject(err);
+			else
+				resolve(value);
+		};
+		function onReadable() {
+			while (req.readableLength > 0) {
+				/* an exact length: reading the last byte with read() would schedule 'end' */
+				const chunk = req.read(req.readableLength);
+				if (chunk === null)
+					break;
+				const buf = Buffer.isBuffer(chunk) ? chunk : Buffer.from(chunk);
+				chunks.push(buf);
+				size += buf.length;
+				if (size > limit)
+					return finish(TOO_LARGE);
+			}
+			if (req.complete && req.readableLength === 0) {
+				const body = Buffer.concat(chunks);
+				if (body.length > 0)
+					req.unshift(body);
+				finish(body);
+			}
+		}
+		function onError(err) {
+			finish(undefined, err);
+		}
+		function onClose() {
+			if (!req.complete)
+				finish(undefined, new IdempotencyError('the request was aborted while its body was read'));
+		}
+		req.on('readable', onReadable);
+		req.on('error', onError);
+		req.on('close', onClose);
+	});
+}
+
 /* the raw request body of a Node request, wherever a parser left it */
-async function expressRawBody(req) {
+async function expressRawBody(req, limit) {
+	let body = null;
 	if (Buffer.isBuffer(req.rawBody))
-		return req.rawBody;
-	if (typeof req.rawBody === 'string')
-		return Buffer.from(req.rawBody);
-	if (Buffer.isBuffer(req.body))
-		return req.body;
+		body = req.rawBody;
+	else if (typeof req.rawBody === 'string')
+		body = Buffer.from(req.rawBody);
+	else if (Buffer.isBuffer(req.body))
+		body = req.body;
+	if (body !== null)
+		return body.length > limit ? TOO_LARGE : body;
 	if (req.complete && !req.readable)
-		throw new IdempotencyError('pg-idempotency: the request body was read without keeping ' +
-			'its bytes, which the fingerprint needs: pass { verify: rawBody } to the body ' +
-			'parser (express.json({ verify: rawBody })), or register the middleware before it');
-	/* no parser ran yet: read the body here and keep it for the route */
-	req.rawBody = await readStream(req);
-	return req.rawBody;
+		throw new MisconfiguredError('A body parser read the request body before the idempotency ' +
+			'middleware without keeping its bytes, which the fingerprint needs: pass ' +
+			'{ verify: rawBody } to the body parser (express.json({ verify: rawBody })), or mount ' +
+			'the middleware before the parser.');
+	body = await peekBody(req, limit);
+	if (body !== TOO_LARGE)
+		req.rawBody = body;
+	return body;
 }
 
 function keyLinesOf(headers, headersDistinct) {
@@ -1051,16 +1509,18 @@ function toBuffer(chunk, encoding) {
 	return Buffer.from(String(chunk), typeof encoding === 'string' ? encoding : 'utf8');
 }
 
-/* write a whole response on a Node ServerResponse */
+/* write a whole response on a Node ServerResponse, with its own framing */
 function sendNode(res, response, original = res) {
 	res.statusCode = response.status;
 	for (const [name, value] of Object.entries(response.headers))
-		res.setHeader(name, value);
+		if (!FRAMING_HEADERS.has(name.toLowerCase()))
+			res.setHeader(name, value);
+	for (const name of FRAMING_HEADERS)
+		res.removeHeader(name);
 	if (hasBody(response.status)) {
 		res.setHeader('content-length', String(response.body.length));
 		original.end.call(res, response.body);
 	} else {
-		res.removeHeader('content-length');
 		original.end.call(res);
 	}
 }
@@ -1071,142 +1531,213 @@ function hasBody(status) {
 }
 
 /*
- * expressIdempotency(options): middleware for Express (and plain connect/http
- * style servers).  The route's handler answers as usual (res.status().json(),
- * res.send(buffer), a stream...); the middleware holds the response back until
- * it is stored, then sends what retries will get.  The handler finds the key,
- * token, attempt, and in transactional mode the pg client, on req.idempotency.
+ * After a 504 went out, the late handler still writes its response: into
+ * these headers of its own, which complete() stores, instead of the
+ * response already sent.
+ */
+function detachHeaders(res, initial) {
+	const headers = new Map(Object.entries(initial).map(([n, v]) => [n.toLowerCase(), v]));
+	res.setHeader = (name, value) => {
+		headers.set(String(name).toLowerCase(), value);
+		return res;
+	};
+	res.appendHeader = (name, value) => {
+		const n = String(name).toLowerCase();
+		const old = headers.get(n);
+		headers.set(n, old === undefined ? value : [].concat(old, value));
+		return res;
+	};
+	res.getHeader = (name) => headers.get(String(name).toLowerCase());
+	res.getHeaders = () => Object.fromEntries(headers);
+	res.getHeaderNames = () => [...headers.keys()];
+	res.hasHeader = (name) => headers.has(String(name).toLowerCase());
+	res.removeHeader = (name) => { headers.delete(String(name).toLowerCase()); };
+}
+
+/*
+ * expressIdempotency(options): middleware for Express 4 and 5 (and plain
+ * connect/http style servers).  The route's handler answers as usual
+ * (res.status().json(), res.send(buffer), a stream...); the middleware holds
+ * the response back until it is stored, then sends what retries will get.
+ * The handler finds the key, token, attempt, and in transactional mode the pg
+ * client, on req.idempotency.
  */
 function expressIdempotency(options) {
 	const engine = createEngine(options);
 
 	function make(transactional) {
 		return async function pgIdempotency(req, res, next) {
-			let started;
 			try {
-				started = await engine.begin({
-					method: req.method,
-					path: req.originalUrl ?? req.url,
-					keyLines: keyLinesOf(req.headers, req.headersDistinct),
-					rawBody: () => expressRawBody(req),
-					original: req,
-				}, { transactional });
+				await handle(req, res, next, transactional);
 			} catch (err) {
-				return next(err);
+				next(err);
 			}
-			if (started.action === 'pass')
-				return next();
-			if (started.action === 'respond')
-				return sendNode(res, started.response);
-
-			const { context, complete } = started;
-			req.idempotency = context;
-			const original = { writeHead: res.writeHead, write: res.write, end: res.end };
-			const chunks = [];
-			let ended = false;
-			res.setHeader('idempotency-key-retention', engine.retentionHeader);
-
-			/* the handler's writes are held until the result is stored */
-			res.writeHead = function writeHead(statusCode, reason, headers) {
-				if (typeof reason !== 'string') {
-					headers = reason;
-					reason = undefined;
-				}
-				res.statusCode = statusCode;
-				if (reason)
-					res.statusMessage = reason;
-				if (Array.isArray(headers)) {
-					for (let i = 0; i + 1 < headers.length; i += 2)
-						res.setHeader(headers[i], headers[i + 1]);
-				} else if (headers) {
-					for (const [name, value] of Object.entries(headers))
-						res.setHeader(name, value);
-				}
-				return res;
-			};
-			res.write = function write(chunk, encoding, callback) {
-				if (typeof encoding === 'function')
-					[callback, encoding] = [encoding, undefined];
-				const buf = toBuffer(chunk, encoding);
-				if (buf)
-					chunks.push(buf);
-				if (callback)
-					process.nextTick(callback);
-				return true;
-			};
-			res.end = function end(chunk, encoding, callback) {
-				if (typeof chunk === 'function')
-					[callback, chunk] = [chunk, undefined];
-				else if (typeof encoding === 'function')
-					[callback, encoding] = [encoding, undefined];
-				if (ended)
-					return res;
-				ended = true;
-				const buf = toBuffer(chunk, encoding);
-				if (buf)
-					chunks.push(buf);
-				if (callback)
-					res.once('finish', callback);
-				complete({ status: res.statusCode, headers: res.getHeaders(), body: Buffer.concat(chunks) })
-					.then((response) => {
-						res.writeHead = original.writeHead;
-						res.write = original.write;
-						res.end = original.end;
-						for (const name of res.getHeaderNames())
-							if (!(name in response.headers))
-								res.removeHeader(name);
-						sendNode(res, response, original);
-					}, (err) => {
-						res.writeHead = original.writeHead;
-						res.write = original.write;
-						res.end = original.end;
-						next(err);
-					});
-				return res;
-			};
-			return next();
 		};
+	}
+
+	async function handle(req, res, next, transactional) {
+		let onTimeout = null;
+		const started = await engine.begin({
+			method: req.method,
+			path: req.originalUrl ?? req.url,
+			keyLines: keyLinesOf(req.headers, req.headersDistinct),
+			contentLength: req.headers['content-length'],
+			contentType: req.headers['content-type'],
+			rawBody: (limit) => expressRawBody(req, limit),
+			onTimeout: (response) => onTimeout?.(response),
+			original: req,
+		}, { transactional });
+		if (started.action === 'pass')
+			return next();
+		if (started.action === 'respond')
+			return sendNode(res, started.response);
+
+		const { context, complete } = started;
+		req.idempotency = context;
+		const original = { writeHead: res.writeHead, write: res.write, end: res.end };
+		const chunks = [];
+		let ended = false;
+		res.setHeader('idempotency-key-retention', engine.retentionHeader);
+		const restore = () => {
+			res.writeHead = original.writeHead;
+			res.write = original.write;
+			res.end = original.end;
+		};
+
+		onTimeout = (response) => {
+			if (res.headersSent)
+				return;
+			const handlerStatus = res.statusCode;
+			const handlerHeaders = res.getHeaders();
+			const held = { writeHead: res.writeHead, write: res.write, end: res.end };
+			for (const name of res.getHeaderNames())
+				res.removeHeader(name);
+			restore();
+			sendNode(res, response, original);
+			Object.assign(res, held);
+			detachHeaders(res, handlerHeaders);
+			res.statusCode = handlerStatus;
+		};
+
+		/* the handler's writes are held until the result is stored */
+		res.writeHead = function writeHead(statusCode, reason, headers) {
+			if (typeof reason !== 'string') {
+				headers = reason;
+				reason = undefined;
+			}
+			res.statusCode = statusCode;
+			if (reason)
+				res.statusMessage = reason;
+			if (Array.isArray(headers)) {
+				for (let i = 0; i + 1 < headers.length; i += 2)
+					res.setHeader(headers[i], headers[i + 1]);
+			} else if (headers) {
+				for (const [name, value] of Object.entries(headers))
+					res.setHeader(name, value);
+			}
+			return res;
+		};
+		res.write = function write(chunk, encoding, callback) {
+			if (typeof encoding === 'function')
+				[callback, encoding] = [encoding, undefined];
+			const buf = toBuffer(chunk, encoding);
+			if (buf)
+				chunks.push(buf);
+			if (callback)
+				process.nextTick(callback);
+			return true;
+		};
+		res.end = function end(chunk, encoding, callback) {
+			if (typeof chunk === 'function')
+				[callback, chunk] = [chunk, undefined];
+			else if (typeof encoding === 'function')
+				[callback, encoding] = [encoding, undefined];
+			if (ended)
+				return res;
+			ended = true;
+			const buf = toBuffer(chunk, encoding);
+			if (buf)
+				chunks.push(buf);
+			if (callback)
+				res.once('finish', callback);
+			complete({
+				status: res.statusCode, headers: res.getHeaders(), body: Buffer.concat(chunks),
+				threw: req[THREW] !== undefined,
+			})
+				.then((answer) => {
+					if (answer === null || res.headersSent)
+						return;            /* the 504 was the answer */
+					restore();
+					for (const name of res.getHeaderNames())
+						if (!(name in answer.headers))
+							res.removeHeader(name);
+					sendNode(res, answer, original);
+				}, (err) => {
+					restore();
+					next(err);
+				});
+			return res;
+		};
+		return next();
 	}
 
 	const middleware = make(false);
 	middleware.transactional = make(true);
 	middleware.cache = engine.cache;
+	/*
+	 * Error middleware to mount after the routes: Express gives a
+	 * middleware no other way to tell a thrown error from a 5xx the handler
+	 * sends, and a thrown error releases the key even with storeServerErrors.
+	 */
+	middleware.errors = function pgIdempotencyErrors(err, req, res, next) {
+		if (req.idempotency && !res.headersSent)
+			req[THREW] = err ?? new Error('the handler failed');
+		next(err);
+	};
 	return middleware;
 }
 
 /* ------------------------------------------------------------------ Fastify */
 
 const ATTEMPT = Symbol('pg-idempotency.attempt');
+const BODY_TOO_LARGE = Symbol('pg-idempotency.bodyTooLarge');
 
 /*
- * fastifyIdempotency: a Fastify plugin.  It covers every route of the methods
- * option in the context it is registered in (and, with skip-override, that
- * context is the parent's).  Per route: config: { idempotency: false } turns it
- * off, config: { idempotency: { transactional: true } } runs the route in one
- * transaction on request.idempotency.client.
+ * fastifyIdempotency: a Fastify 5 plugin.  It covers every route of the
+ * methods option in the context it is registered in (and, with skip-override,
+ * that context is the parent's).  Per route: config: { idempotency: false }
+ * turns it off, config: { idempotency: { transactional: true } } runs the
+ * route in one transaction on request.idempotency.client.
  */
 async function fastifyIdempotency(fastify, options) {
 	const engine = createEngine(options);
 	const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => m.toUpperCase()));
+	const maxBodySize = options.maxBodySize ?? DEFAULT_MAX_BODY_SIZE;
 
 	if (!fastify.hasRequestDecorator('idempotency'))
 		fastify.decorateRequest('idempotency', null);
 
 	const routeSetting = (request) => request.routeOptions?.config?.idempotency;
 
-	/* keep the raw bytes for the fingerprint, whatever the content type parser does */
+	/* keep the raw bytes for the fingerprint (at most maxBodySize + 1), whatever the content type parser does */
 	fastify.addHook('preParsing', async (request, reply, payload) => {
 		if (!methods.has(request.method) || routeSetting(request) === false)
 			return payload;
 		const chunks = [];
+		let size = 0;
 		const tee = new Transform({
 			transform(chunk, encoding, callback) {
-				chunks.push(Buffer.isBuffer(chunk) ? chunk : Buffer.from(chunk, encoding));
+				const buf = Buffer.isBuffer(chunk) ? chunk : Buffer.from(chunk, encoding);
+				size += buf.length;
+				if (size > maxBodySize)
+					request[BODY_TOO_LARGE] = true;
+				else
+					chunks.push(buf);
 				tee.receivedEncodedLength = payload.receivedEncodedLength;
 				callback(null, chunk);
 			},
 			flush(callback) {
-				request[RAW_BODY] = Buffer.concat(chunks);
+				request[RAW_BODY] = request[BODY_TOO_LARGE] ? TOO_LARGE : Buffer.concat(chunks);
 				callback();
 			},
 		});
@@ -1214,27 +1745,77 @@ async function fastifyIdempotency(fastify, options) {
 		return payload.pipe(tee);
 	});
 
+	/* a thrown error releases the key, whatever status the error handler answers */
+	fastify.addHook('onError', async (request, reply, error) => {
+		if (request[ATTEMPT])
+			request[THREW] = error;
+	});
+
 	/* after validation, so that a request refused by its schema does not use up its key */
 	fastify.addHook('preHandler', async (request, reply) => {
 		const setting = routeSetting(request);
 		if (setting === false)
 			return;
+		let onTimeout = null;
 		const started = await engine.begin({
 			method: request.method,
 			path: request.raw.url,
 			keyLines: keyLinesOf(request.headers, request.raw.headersDistinct),
-			rawBody: async () => request[RAW_BODY] ?? Buffer.alloc(0),
+			contentLength: request.headers['content-length'],
+			contentType: request.headers['content-type'],
+			rawBody: async () => (request[BODY_TOO_LARGE] ? TOO_LARGE : request[RAW_BODY] ?? Buffer.alloc(0)),
+			onTimeout: (response) => onTimeout?.(response),
 			original: request,
 		}, { transactional: setting?.transactional === true });
 		if (started.action === 'pass')
 			return;
 		if (started.action === 'respond') {
-			reply.code(started.response.status).headers(started.response.headers);
-			return reply.send(hasBody(started.response.status) ? started.response.body : undefined);
+			const { status, headers, body } = started.response;
+			reply.code(status).headers(headers);
+			/* an empty body goes as no payload, which Fastify gives no content type of its own */
+			return reply.send(hasBody(status) && body.length > 0 ? body : undefined);
 		}
 		request.idempotency = started.context;
 		request[ATTEMPT] = started;
 		reply.header('idempotency-key-retention', engine.retentionHeader);
+		/*
+		 * Past handlerTimeout the 504 goes out now; the late handler's answer
+		 * (returned or sent) reaches the replaced send() and is completed, not sent.
+		 */
+		onTimeout = (response) => {
+			if (reply.sent || request[ATTEMPT] !== started)
+				return;
+			request[ATTEMPT] = null;
+			const send = reply.send;
+			const handlerHeaders = reply.getHeaders();
+			const handlerStatus = reply.statusCode;
+			for (const name of Object.keys(handlerHeaders))
+				reply.removeHeader(name);
+			reply.code(response.status).headers(response.headers);
+			reply.header('content-length', String(response.body.length));
+			send.call(reply, response.body);
+			let late = false;
+			reply.send = function lateSend(payload) {
+				/* `return reply.send(x)` hands the reply itself back: x was taken already */
+				if (late || payload === reply)
+					return reply;
+				late = true;
+				let body;
+				let headers = { ...handlerHeaders };
+				if (payload === null || payload === undefined)
+					body = Buffer.alloc(0);
+				else if (Buffer.isBuffer(payload) || typeof payload === 'string')
+					body = toBuffer(payload);
+				else {
+					body = Buffer.from(JSON.stringify(payload));
+					headers = { 'content-type': 'application/json; charset=utf-8', ...headers };
+				}
+				const status = reply.statusCode === response.status ? handlerStatus : reply.statusCode;
+				started.complete({ status, headers, body, threw: payload instanceof Error })
+					.catch((err) => request.log.error(err));
+				return reply;
+			};
+		};
 	});
 
 	fastify.addHook('onSend', async (request, reply, payload) => {
@@ -1251,12 +1832,15 @@ async function fastifyIdempotency(fastify, options) {
 			body = toBuffer(payload);
 		const response = await started.complete({
 			status: reply.statusCode, headers: reply.getHeaders(), body,
+			threw: request[THREW] !== undefined,
 		});
 		reply.code(response.status);
 		for (const name of Object.keys(reply.getHeaders()))
 			if (!(name in response.headers))
 				reply.removeHeader(name);
 		reply.headers(response.headers);
+		for (const name of FRAMING_HEADERS)
+			reply.removeHeader(name);
 		if (!hasBody(response.status)) {
 			reply.removeHeader('content-length');
 			return null;
@@ -1286,6 +1870,8 @@ function idempotencyContext(req) {
 
 module.exports = {
 	idempotent,
+	idempotentJob,
+	currentJob,
 	expressIdempotency,
 	fastifyIdempotency,
 	rawBody,
@@ -1297,5 +1883,6 @@ module.exports = {
 	MismatchError,
 	StoredFailureError,
 	KeyLostError,
+	MisconfiguredError,
 	MAX_KEY_LENGTH,
 };

@@ -98,6 +98,20 @@ export interface AttemptInfo extends RecoveryPoint {
 	signal: AbortSignal;
 }
 
+/** The options of idempotentJob: those of idempotent(), with key, request and scope computed from the job's arguments. */
+export interface IdempotentJobOptions<A extends unknown[]> extends Omit<IdempotentOptions, 'key' | 'request' | 'scope'> {
+	/** The key of a call, from its arguments (1 to 255 characters). */
+	key: (...args: A) => string | Promise<string>;
+	/** The payload checked with the key (a different one throws MismatchError). Default: no check. */
+	request?: (...args: A) => unknown;
+	/**
+	 * The scope: a string, or computed from the arguments. Default: the function's name, so that
+	 * two jobs whose arguments give the same key are two operations. '' keeps the unscoped keys
+	 * of idempotent(). An anonymous function needs it (TypeError otherwise).
+	 */
+	scope?: string | ((...args: A) => string | Promise<string>);
+}
+
 export type IdempotentResult<T> =
 	| { replayed: false; value: T; attempt: number; token: string }
 	| { replayed: true; value: Jsonified<T>; attempt: null; token: null };
@@ -126,6 +140,22 @@ export function idempotent<T>(
 	fn: (attempt: AttemptInfo) => T | Promise<T>,
 ): Promise<IdempotentResult<Awaited<T>>>;
 
+/**
+ * fn wrapped so that each call runs it at most once per key (computed from the call's
+ * arguments); a later call with the same key resolves to the stored value without
+ * running it. Inside fn, currentJob() is the running attempt.
+ *
+ * @throws TypeError at once: no key function, or an anonymous fn without scope
+ */
+export function idempotentJob<F extends (...args: any[]) => unknown>(
+	pool: Queryable,
+	options: IdempotentJobOptions<Parameters<F>>,
+	fn: F,
+): (...args: Parameters<F>) => Promise<Awaited<ReturnType<F>> | Jsonified<Awaited<ReturnType<F>>>>;
+
+/** The attempt of the idempotentJob running in this async context; undefined outside one. */
+export function currentJob(): AttemptInfo | undefined;
+
 // ---------------------------------------------------------------- HTTP
 
 export type StoreDecision = 'succeeded' | 'failed' | 'release';
@@ -135,8 +165,22 @@ export interface HttpOptions<Req> {
 	pool: PoolLike | Queryable;
 	/** The key's scope: tenant or principal, e.g. req.user.id. Never a client-chosen header unless you trust it. Default ''. */
 	scope?: (req: Req) => string | Promise<string>;
+	/**
+	 * The request's key, replacing the Idempotency-Key header: a string, or null/undefined when the
+	 * request has none (400 when required, else no idempotency). Empty or with control characters:
+	 * 400 malformed; over 255 characters: 400 too-long. Default: the Idempotency-Key header.
+	 */
+	key?: (req: Req) => string | null | undefined | Promise<string | null | undefined>;
 	/** The request fingerprint. Default: {method, path, body_sha256} of the raw body bytes. */
 	fingerprint?: (req: Req) => unknown;
+	/**
+	 * A JSON body (application/json, *\/*+json) is fingerprinted as jsonb: key order, whitespace and
+	 * duplicate keys (the last wins) no longer make another request; 1 and 1.0 still do. Default false:
+	 * byte-exact, the stricter promise, and keys stored before stay valid.
+	 */
+	canonicalJson?: boolean;
+	/** Largest request body read for the fingerprint, in bytes; over it: 413, the key unused. Default 1048576. */
+	maxBodySize?: number;
 	/** Methods covered. Default ['POST', 'PATCH']. */
 	methods?: string[];
 	/** Refuse a covered request without the header (400). Default true. */
@@ -145,10 +189,30 @@ export interface HttpOptions<Req> {
 	lease?: Seconds;
 	/** How long results are kept; sent as Idempotency-Key-Retention. Default 86400. */
 	retention?: Seconds;
-	/** What a response status does to the key. Default: defaultStorePolicy. */
+	/** What a response status does to the key. Default: defaultStorePolicy. Overrides storeServerErrors. */
 	storePolicy?: (status: number) => StoreDecision;
-	/** Response headers stored and replayed (lower case). Default ['content-type', 'location']. */
+	/** Store a 5xx the handler sends as failed (replayed) instead of releasing the key. A thrown error still releases. Default false. */
+	storeServerErrors?: boolean;
+	/**
+	 * Transactional mode: what a stored failure (4xx, or 5xx with storeServerErrors) does to the
+	 * handler's writes. 'commit': they commit with the stored response; 'rollback': they are rolled
+	 * back (to a savepoint after the claim) and only the response is stored. Default 'commit'.
+	 */
+	failedWrites?: 'commit' | 'rollback';
+	/**
+	 * Response headers stored and replayed, added to content-type, content-encoding,
+	 * content-language, location, etag, last-modified (any case). Framing headers
+	 * (transfer-encoding, content-length, connection, ...) are never stored.
+	 */
 	storeHeaders?: string[];
+	/** Most seconds a 409 in-progress answer asks a client to wait (Retry-After). Default 5. */
+	retryAfterMax?: Seconds;
+	/**
+	 * Past it the client gets 504, the heartbeat stops and the attempt's signal aborts; a late
+	 * result is still stored if the key was not taken over (the transactional mode rolls it back).
+	 * 0 or null: no limit. Default 300.
+	 */
+	handlerTimeout?: Seconds | null;
 	/** Prefix of the problem `type`. Default 'urn:idempotency:problem:'. */
 	problemTypeBase?: string;
 	/** In-process LRU of finished results. Off by default. */
@@ -182,6 +246,11 @@ export interface ExpressIdempotencyMiddleware {
 	transactional: (req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void) => Promise<void>;
 	/** The cache of finished results, when enabled. */
 	cache: { readonly size: number } | null;
+	/**
+	 * Error middleware to mount after the routes (app.use(idem.errors)): marks a thrown error so
+	 * that it releases the key even with storeServerErrors, then hands the error on.
+	 */
+	errors: (err: unknown, req: IncomingMessage, res: ServerResponse, next: (err?: unknown) => void) => void;
 }
 
 /** Express (or connect-style) middleware honouring the Idempotency-Key header. */
@@ -206,8 +275,8 @@ export type ParsedIdempotencyKey =
 /** Parse Idempotency-Key field lines (RFC 8941 sf-string, bare sf-token tolerated). */
 export function parseIdempotencyKey(values: string | string[] | undefined): ParsedIdempotencyKey;
 
-/** 2xx/3xx succeeded; 4xx failed except 408, 409, 425, 429 released; 5xx released. */
-export function defaultStorePolicy(status: number): StoreDecision;
+/** 2xx/3xx succeeded except 304 released; 4xx failed except 408, 409, 425, 429 released; 5xx released (failed with storeServerErrors). */
+export function defaultStorePolicy(status: number, options?: { storeServerErrors?: boolean }): StoreDecision;
 
 export const MAX_KEY_LENGTH: 255;
 
@@ -233,6 +302,9 @@ export class StoredFailureError extends IdempotencyError {
 export class KeyLostError extends IdempotencyError {
 	readonly key: string;
 }
+
+/** The store cannot work as configured (no extension, an old one, ...): the message says what to fix. */
+export class MisconfiguredError extends IdempotencyError {}
 
 declare module 'http' {
 	interface IncomingMessage {

@@ -4,6 +4,8 @@ import cjs from './index.cjs';
 
 export const {
 	idempotent,
+	idempotentJob,
+	currentJob,
 	expressIdempotency,
 	fastifyIdempotency,
 	rawBody,
@@ -15,5 +17,6 @@ export const {
 	MismatchError,
 	StoredFailureError,
 	KeyLostError,
+	MisconfiguredError,
 	MAX_KEY_LENGTH,
 } = cjs;

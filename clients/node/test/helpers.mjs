@@ -1,10 +1,12 @@
 // Shared test helpers: the database, apps of both frameworks over real HTTP,
 // a pool wrapper that counts and records statements, and gates a test opens.
 import http from 'node:http';
+import assert from 'node:assert/strict';
 import { gzipSync } from 'node:zlib';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
 import express from 'express';
+import express4 from 'express4';
 import Fastify from 'fastify';
 import { expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext } from 'pg-idempotency';
 
@@ -131,6 +133,21 @@ export function createControl() {
 			await g.release.promise;
 			return { status: 201, json: { slow: true, attempt: ctx.attempt } };
 		},
+		'/big': async () => ({
+			status: 201, headers: { 'content-type': 'application/octet-stream', location: '/big/1' },
+			bytes: Buffer.alloc(2 * 1024 * 1024, 'b'),
+		}),
+		'/tx-big': async (ctx) => {
+			await ctx.client.query('SELECT 1');
+			return {
+				status: 201, headers: { 'content-type': 'application/octet-stream', location: '/big/1' },
+				bytes: Buffer.alloc(2 * 1024 * 1024, 'b'),
+			};
+		},
+		'/tx-status': async (ctx, req) => {
+			await ctx.client.query('INSERT INTO test_orders (request_key, note) VALUES ($1, $2)', [ctx.key, req.query.code]);
+			return { status: Number(req.query.code), json: { status: Number(req.query.code) } };
+		},
 		'/tx': async (ctx, req) => {
 			await ctx.client.query('INSERT INTO test_orders (request_key, note) VALUES ($1, $2)', [ctx.key, req.body?.note ?? null]);
 			const g = control.gates.get(ctx.key);
@@ -151,10 +168,13 @@ function count(control, ctx) {
 		control.runs.set(ctx.key, control.count(ctx.key) + 1);
 }
 
-/** Express app over real HTTP. */
-export async function startExpress(options, { transactional = ['/tx'] } = {}) {
+/** The Express majors the middleware supports, by name. */
+export const expresses = { express5: express, express4 };
+
+/** Express app over real HTTP (Express 5 unless `major` says express4). */
+export async function startExpress(options, { transactional = ['/tx', '/tx-status', '/tx-big'], major = 'express5' } = {}) {
 	const { control, routes } = createControl();
-	const app = express();
+	const app = expresses[major]();
 	app.disable('x-powered-by');
 	app.use(express.json({ verify: rawBody }));
 	app.use(express.raw({ type: 'application/octet-stream', verify: rawBody }));
@@ -173,17 +193,23 @@ export async function startExpress(options, { transactional = ['/tx'] } = {}) {
 			else
 				res.end(out.bytes);
 		};
-		app.post(path, mw, run);
-		app.patch(path, mw, run);
+		/* Express 4 leaves a rejected promise unhandled: hand it on as Express 5 does */
+		const viaNext = (req, res, next) => run(req, res).catch(next);
+		app.post(path, mw, viaNext);
+		app.patch(path, mw, viaNext);
 	}
 	app.get('/plain', idem, (req, res) => res.json({ plain: true, covered: idempotencyContext(req) !== undefined }));
+	app.use(idem.errors);
+	return { ...(await listen(app)), control, idem };
+}
+
+/** An Express app listening on a free port: its url, and close() that ends every connection. */
+export async function listen(app) {
 	const server = await new Promise((resolve) => {
 		const s = app.listen(0, '127.0.0.1', () => resolve(s));
 	});
 	return {
 		url: `http://127.0.0.1:${server.address().port}`,
-		control,
-		idem,
 		async close() {
 			server.closeAllConnections();
 			await new Promise((r) => server.close(r));
@@ -192,7 +218,7 @@ export async function startExpress(options, { transactional = ['/tx'] } = {}) {
 }
 
 /** Fastify app over real HTTP. */
-export async function startFastify(options, { transactional = ['/tx'] } = {}) {
+export async function startFastify(options, { transactional = ['/tx', '/tx-status', '/tx-big'] } = {}) {
 	const { control, routes } = createControl();
 	const app = Fastify();
 	app.addContentTypeParser('application/octet-stream', { parseAs: 'buffer' }, (req, body, done) => done(null, body));
@@ -223,7 +249,8 @@ export async function startFastify(options, { transactional = ['/tx'] } = {}) {
 }
 
 export const frameworks = [
-	{ name: 'express', start: startExpress },
+	{ name: 'express 5', start: (options, more) => startExpress(options, { ...more, major: 'express5' }) },
+	{ name: 'express 4', start: (options, more) => startExpress(options, { ...more, major: 'express4' }) },
 	{ name: 'fastify', start: startFastify },
 ];
 
@@ -238,8 +265,16 @@ export function send(baseUrl, path, { method = 'POST', key, keyLines, body = '{"
 		h['idempotency-key'] = keyLines;
 	const payload = Buffer.isBuffer(body) ? body : Buffer.from(body);
 	h['content-length'] = String(payload.length);
+	return exchange(baseUrl + path, { method, headers: h, parts: [payload], signal });
+}
+
+/**
+ * One HTTP exchange: the body goes as `parts` (several writes; without a
+ * content-length header it is sent chunked), the answer comes back whole.
+ */
+export function exchange(url, { method = 'POST', headers = {}, parts = [], signal } = {}) {
 	return new Promise((resolve, reject) => {
-		const req = http.request(baseUrl + path, { method, headers: h, signal }, (res) => {
+		const req = http.request(url, { method, headers, signal }, (res) => {
 			const chunks = [];
 			res.on('data', (c) => chunks.push(c));
 			res.on('end', () => {
@@ -249,6 +284,18 @@ export function send(baseUrl, path, { method = 'POST', key, keyLines, body = '{"
 			res.on('error', reject);
 		});
 		req.on('error', reject);
-		req.end(payload);
+		for (const part of parts)
+			req.write(part);
+		req.end();
 	});
+}
+
+/** An answer that is the problem `slug` with `status`; returns the parsed problem. */
+export function problemOf(answer, status, slug) {
+	assert.equal(answer.status, status, answer.text);
+	assert.match(answer.headers['content-type'], /^application\/problem\+json/);
+	const p = JSON.parse(answer.text);
+	assert.equal(p.type, `urn:idempotency:problem:${slug}`);
+	assert.equal(p.status, status);
+	return p;
 }

@@ -2,8 +2,10 @@
 import { test, after } from 'node:test';
 import assert from 'node:assert/strict';
 import pg from 'pg';
+import { randomUUID } from 'node:crypto';
 import {
-	idempotent, InProgressError, MismatchError, StoredFailureError, KeyLostError,
+	idempotent, idempotentJob, currentJob, InProgressError, MismatchError, StoredFailureError, KeyLostError,
+	MisconfiguredError,
 } from 'pg-idempotency';
 import { db, row, newKey, deferred, waitFor, recordingPool } from './helpers.mjs';
 
@@ -161,4 +163,66 @@ test('argument errors are TypeErrors before any statement', async () => {
 	await assert.rejects(idempotent(counted, { key: 'k', lease: -1 }, async () => 1), TypeError);
 	await assert.rejects(idempotent(counted, { key: 'k' }), TypeError);
 	assert.equal(counted.count(), 0);
+});
+
+// ------------------------------------------------------------ idempotentJob
+
+test('idempotentJob: the key from the arguments, the function\'s name as scope, the stored value on replay', async () => {
+	const id = newKey('order');
+	let runs = 0;
+	const seen = [];
+	async function chargeOrder(orderId, amount) {
+		runs++;
+		seen.push(currentJob());
+		return { orderId, amount };
+	}
+	const charge = idempotentJob(pool, { key: (orderId) => orderId, request: (orderId, amount) => ({ amount }) }, chargeOrder);
+	assert.equal(charge.name, 'chargeOrder');
+	assert.deepEqual(await charge(id, 5), { orderId: id, amount: 5 });
+	assert.deepEqual(await charge(id, 5), { orderId: id, amount: 5 });
+	assert.equal(runs, 1);
+	assert.equal(seen[0].attempt, 1);
+	assert.match(seen[0].token, /^\d+$/);
+	assert.equal(seen[0].scope, 'chargeOrder');
+	assert.equal((await row(id, 'chargeOrder')).status, 'succeeded');
+	assert.equal(await row(id, ''), null);
+	await assert.rejects(charge(id, 6), MismatchError);
+	assert.equal(currentJob(), undefined, 'no job outside a run');
+});
+
+test('idempotentJob: two jobs with the same key are two operations; scope overrides, scope \'\' shares the old scope', async () => {
+	const id = newKey('same');
+	const refund = idempotentJob(pool, { key: (k) => k }, async function refund() { return 'refund'; });
+	const ship = idempotentJob(pool, { key: (k) => k }, async function ship() { return 'ship'; });
+	assert.equal(await refund(id), 'refund');
+	assert.equal(await ship(id), 'ship');
+	const named = idempotentJob(pool, { key: (k) => k, scope: (k, tenant) => tenant }, async () => 'tenant');
+	assert.equal(await named(id, 't1'), 'tenant');
+	assert.equal((await row(id, 't1')).status, 'succeeded');
+	const old = idempotentJob(pool, { key: (k) => k, scope: '' }, async () => 'unscoped');
+	assert.equal(await old(id), 'unscoped');
+	assert.equal((await row(id, '')).status, 'succeeded');
+});
+
+test('idempotentJob: an anonymous function without scope is a TypeError when it is wrapped', () => {
+	assert.throws(() => idempotentJob(pool, { key: (k) => k }, (() => async () => 1)()), /pass options\.scope/);
+	assert.throws(() => idempotentJob(pool, {}, async function named() {}), /options\.key/);
+});
+
+test('a database without the extension: the first claim throws MisconfiguredError saying what to run', async () => {
+	const name = `idem_node_noext_${randomUUID().slice(0, 8)}`;
+	await db.query(`CREATE DATABASE ${name}`);
+	const bare = new pg.Pool({ database: name, max: 1 });
+	bare.on('error', () => {});
+	try {
+		await assert.rejects(idempotent(bare, { key: newKey() }, async () => 1), (err) =>
+			err instanceof MisconfiguredError &&
+			err.message === `The idempotency extension is not installed in database "${name}": run CREATE EXTENSION idempotency.`);
+		await bare.query('CREATE EXTENSION idempotency');
+		const done = await idempotent(bare, { key: newKey() }, async () => 2);
+		assert.equal(done.value, 2, 'a failed check is not kept');
+	} finally {
+		await bare.end();
+		await db.query(`DROP DATABASE ${name} WITH (FORCE)`);
+	}
 });

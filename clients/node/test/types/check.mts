@@ -1,7 +1,7 @@
 // Compiled (not run) by test.sh: the ESM types of the installed package.
 import {
-	idempotent, expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext,
-	InProgressError, KeyLostError, type IdempotencyContext, type JsonValue,
+	idempotent, idempotentJob, currentJob, expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext,
+	defaultStorePolicy, InProgressError, KeyLostError, MisconfiguredError, type IdempotencyContext, type JsonValue,
 } from 'pg-idempotency';
 import express from 'express';
 import Fastify from 'fastify';
@@ -26,7 +26,16 @@ if (r.replayed) {
 
 const app = express();
 app.use(express.json({ verify: rawBody }));
-const idem = expressIdempotency({ pool, scope: (req) => String(req.headers['x-tenant'] ?? ''), cache: { max: 100 } });
+const idem = expressIdempotency({
+	pool, scope: (req) => String(req.headers['x-tenant'] ?? ''), cache: { max: 100 },
+	key: (req) => (typeof req.headers['x-message-id'] === 'string' ? req.headers['x-message-id'] : null),
+	canonicalJson: true, maxBodySize: 65536, storeServerErrors: true, failedWrites: 'rollback',
+	storeHeaders: ['x-cost'], retryAfterMax: 10, handlerTimeout: 60,
+});
+const untimed = expressIdempotency({ pool, handlerTimeout: null });
+void untimed;
+const policy: 'succeeded' | 'failed' | 'release' = defaultStorePolicy(503, { storeServerErrors: true });
+void policy;
 app.post('/payments', idem, (req, res) => {
 	const ctx: IdempotencyContext | undefined = req.idempotency;
 	res.status(201).json({ key: ctx?.key, attempt: ctx?.attempt });
@@ -38,6 +47,8 @@ app.post('/orders', idem.transactional, async (req, res) => {
 		await ctx.checkpoint('a_done');
 	res.status(201).json({ ok: true });
 });
+
+app.use(idem.errors);
 
 const f = Fastify();
 await f.register(fastifyIdempotency, { pool, storePolicy: (s) => (s >= 500 ? 'release' : 'succeeded') });
@@ -54,6 +65,16 @@ const resumed = await idempotent(pool, { key: 'order-1', sessionBound: true },
 	});
 void resumed;
 
+const chargeOrder = idempotentJob(pool, { key: (orderId) => orderId, request: (_orderId, amount) => ({ amount }), lease: 10 },
+	async (orderId: string, amount: number) => {
+		const job = currentJob();
+		return { orderId, amount, token: job?.token ?? null };
+	});
+const charged: { orderId: string; amount: number; token: string | null } = await chargeOrder('o-1', 5);
+void charged;
+const unscoped = idempotentJob(pool, { key: (id: string) => id, scope: '' }, async (id: string) => id.length);
+void unscoped;
+
 try {
 	await idempotent(pool, { key: 'k' }, () => 1);
 } catch (err) {
@@ -63,4 +84,6 @@ try {
 	}
 	if (err instanceof KeyLostError)
 		console.log(err.key);
+	if (err instanceof MisconfiguredError)
+		console.log(err.message);
 }
