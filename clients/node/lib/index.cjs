@@ -49,6 +49,8 @@ const CLIENT_VERSION = '1.4';
  * and say so through PostgreSQL's 42883 when they are used on an older one.
  */
 const MIN_EXTENSION_VERSION = '1.0';
+/* recovery points and session-bound claims came with 1.4 */
+const RECOVERY_EXTENSION_VERSION = '1.4';
 
 /* SQLSTATEs of the extension this module reacts to */
 const SQLSTATE = {
@@ -278,6 +280,14 @@ function versionBefore(a, b) {
  */
 const ENVIRONMENTS = new WeakMap();
 
+/* The extension at <need> or later, else a MisconfiguredError naming the fix. */
+function requireVersion({ database, version }, need, what) {
+	if (versionBefore(version, need))
+		throw new MisconfiguredError(`pg-idempotency ${CLIENT_VERSION}${what} needs the idempotency ` +
+			`extension ${need} or later; database ${JSON.stringify(database)} ` +
+			`has ${version}: run ALTER EXTENSION idempotency UPDATE.`);
+}
+
 function poolInfo(pool, log) {
 	let pending = ENVIRONMENTS.get(pool);
 	if (pending === undefined) {
@@ -286,10 +296,7 @@ function poolInfo(pool, log) {
 			const { database, version, max_response_size: max } = rows[0];
 			if (version === null || version === undefined)
 				throw new MisconfiguredError(notInstalled(database));
-			if (versionBefore(version, MIN_EXTENSION_VERSION))
-				throw new MisconfiguredError(`pg-idempotency ${CLIENT_VERSION} needs the idempotency ` +
-					`extension ${MIN_EXTENSION_VERSION} or later; database ${JSON.stringify(database)} ` +
-					`has ${version}: run ALTER EXTENSION idempotency UPDATE.`);
+			requireVersion({ database, version }, MIN_EXTENSION_VERSION, '');
 			const maxResponseSize = max === null || max === undefined ? DEFAULT_MAX_RESPONSE_SIZE : Number(max);
 			log(`pg-idempotency: database ${JSON.stringify(database)}, idempotency extension ${version}; ` +
 				`responses over ${maxResponseSize} bytes are stored without their body`);
@@ -416,10 +423,11 @@ function phaseDataOf(claim) {
  * failure like the other token statements (recording the same checkpoint
  * twice is harmless).  A lost key calls onLost and throws KeyLostError.
  */
-function makeCheckpoint(db, { key, token, scope, defaultClient, onLost }) {
+function makeCheckpoint(db, { key, token, scope, defaultClient, onLost, info }) {
 	return async function checkpoint(phase, data, options) {
 		if (typeof phase !== 'string')
 			throw new TypeError('checkpoint(phase, data) needs the name of the completed step (a string)');
+		requireVersion(info, RECOVERY_EXTENSION_VERSION, ' (checkpoint())');
 		const params = [key, token, phase,
 			data === undefined || data === null ? null : toJsonText(data, 'the checkpoint data'), scope];
 		const client = options?.client ?? defaultClient;
@@ -472,7 +480,9 @@ async function idempotent(pool, options, fn) {
 		throw new TypeError(`options.sessionBound must be a boolean, got ${String(options.sessionBound)}`);
 	const sessionBound = options.sessionBound === true;
 	const params = [key, request, scope, lease, retention, wait];
-	await poolInfo(pool, log);
+	const info = await poolInfo(pool, log);
+	if (sessionBound)
+		requireVersion(info, RECOVERY_EXTENSION_VERSION, ' (sessionBound)');
 
 	/*
 	 * A session-bound claim through a pool runs on a client held until the
@@ -507,7 +517,7 @@ async function idempotent(pool, options, fn) {
 		}
 		if (claim.outcome === 'claimed') {
 			try {
-				return await runClaimed(pool, claim, { key, scope, lease, retention, retryable, log }, fn);
+				return await runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info }, fn);
 			} finally {
 				giveBack();
 			}
@@ -526,14 +536,14 @@ async function idempotent(pool, options, fn) {
 		case 'mismatch':
 			throw new MismatchError(key);
 		case 'claimed':
-			return runClaimed(pool, claim, { key, scope, lease, retention, retryable, log }, fn);
+			return runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info }, fn);
 		default:
 			throw new IdempotencyError(`unexpected claim outcome ${claim.outcome}`);
 	}
 }
 
 /* run fn for a claimed key, keep its lease alive, then store its result or give the key back */
-async function runClaimed(pool, claim, { key, scope, lease, retention, retryable, log }, fn) {
+async function runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info }, fn) {
 	const token = claim.token;
 	const attempt = claim.attempt;
 	const controller = new AbortController();
@@ -546,7 +556,7 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, retryable
 		key, token, scope, lease, log,
 		onLost: (err) => onLost(new KeyLostError(key, { cause: err })),
 	});
-	const checkpoint = makeCheckpoint(pool, { key, token, scope, onLost });
+	const checkpoint = makeCheckpoint(pool, { key, token, scope, onLost, info });
 
 	let value;
 	try {
@@ -1146,7 +1156,7 @@ function createEngine(options) {
 			key, scope, token, attempt: claim.attempt, signal: controller.signal,
 			client: client ?? undefined,
 			phase: claim.phase ?? null, phaseData: phaseDataOf(claim),
-			checkpoint: makeCheckpoint(pool, { key, token, scope, defaultClient: client, onLost }),
+			checkpoint: makeCheckpoint(pool, { key, token, scope, defaultClient: client, onLost, info }),
 		};
 		/* a transaction's claim is invisible to others until COMMIT: no lease to keep */
 		const heartbeat = transactional ? null : startHeartbeat(pool, {

@@ -5,7 +5,7 @@ import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
 import express from 'express';
-import { idempotent, expressIdempotency, rawBody, KeyLostError } from 'pg-idempotency';
+import { idempotent, expressIdempotency, rawBody, KeyLostError, MisconfiguredError } from 'pg-idempotency';
 import { db, newKey, deferred, waitFor, send } from './helpers.mjs';
 
 const pool = new pg.Pool({ max: 6 });
@@ -334,7 +334,7 @@ test('sessionBound on a pg.Client: bound to that client\'s session', async () =>
 
 // ------------------------------------------------------ extension versions before 1.4
 
-test('jobs work on extension 1.3; the 1.4 calls say which function is missing', async () => {
+test('jobs work on extension 1.3; the 1.4 calls say which version they need', async () => {
 	const name = `idem_node_v13_${randomUUID().slice(0, 8)}`;
 	await db.query(`CREATE DATABASE ${name}`);
 	const old = new pg.Pool({ database: name, max: 2 });
@@ -344,10 +344,21 @@ test('jobs work on extension 1.3; the 1.4 calls say which function is missing', 
 		const first = await idempotent(old, { key }, async ({ attempt, phase, phaseData }) => ({ attempt, phase, phaseData }));
 		assert.deepEqual(first.value, { attempt: 1, phase: null, phaseData: null });
 		assert.equal((await idempotent(old, { key }, async () => 'again')).replayed, true);
-		await assert.rejects(idempotent(old, { key: newKey(), sessionBound: true }, async () => 1),
-			(e) => e.code === '42883');
-		await assert.rejects(idempotent(old, { key: newKey() }, async ({ checkpoint }) => checkpoint('x')),
-			(e) => e.code === '42883');
+		const needs = (what) => (e) => e instanceof MisconfiguredError &&
+			e.message.includes(`(${what}) needs the idempotency extension 1.4 or later`) &&
+			e.message.includes(`database "${name}" has 1.3`);
+		const unclaimed = newKey();
+		await assert.rejects(idempotent(old, { key: unclaimed, sessionBound: true }, async () => 1),
+			needs('sessionBound'));
+		// refused before the claim: the key was never taken
+		assert.equal((await old.query('SELECT count(*)::int AS n FROM idempotency.keys WHERE key = $1',
+			[unclaimed])).rows[0].n, 0);
+		let ran = 0;
+		await assert.rejects(idempotent(old, { key: newKey() }, async ({ checkpoint }) => {
+			ran += 1;
+			await checkpoint('x');
+		}), needs('checkpoint()'));
+		assert.equal(ran, 1);
 	} finally {
 		await old.end();
 		// a client the pool let go of may still be closing: drop once all are gone
