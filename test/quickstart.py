@@ -102,6 +102,10 @@ def main():
         print(f"1..{tap.n}")
         return 1
     url = re.search(r"^\s*psql (postgresql://\S+)$", demo.stdout, re.M)
+    printed = re.search(r"^\s*(export PGHOST=\S+ PGPORT=\d+ PGUSER=postgres PGDATABASE=shop)$",
+                        demo.stdout, re.M)
+    tap.ok(printed is not None and printed.group(1) + "\n" in open(m.group(1)).read(),
+           "it prints the libpq exports, the same as its env.sh holds", demo.stdout)
     for line in open(m.group(1)):
         kv = re.match(r"^export (.*)$", line.strip())
         if kv:
