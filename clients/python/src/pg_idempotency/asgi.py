@@ -39,7 +39,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX_KEY_LENGTH,
-                    RELEASE_SQL, SERVER_INFO_SQL, ClaimRow, Duration, MisconfiguredError,
+                    RELEASE_SQL, SERVER_INFO_SQL, UNAVAILABLE_SQLSTATES, ClaimRow, Duration, MisconfiguredError,
                     ServerInfo, acall_with_retry, afetch_one, envelope_body, http_envelope,
                     is_envelope, is_json_media_type, is_lost, json_body_text,
                     known_server_info, misconfiguration, released_before,
@@ -579,25 +579,30 @@ class IdempotencyMiddleware:
         omitted = len(envelope.encode("utf-8")) > info.max_response_size
         if omitted:
             envelope, json_text = too_large_envelope(headers), None
+        err: Optional[psycopg.Error] = None
         try:
-            try:
-                finished = await self._finish(ids, status, envelope, json_text, decision)
-            except psycopg.Error as e:
-                if e.sqlstate != "54000" or omitted:
-                    raise
-                # jsonb's size is not the text's: the server has the last word
-                omitted = True
-                envelope, json_text = too_large_envelope(headers), None
-                finished = await self._finish(ids, status, envelope, json_text, decision)
+            finished = await self._finish(ids, status, envelope, json_text, decision)
         except psycopg.Error as e:
-            if is_lost(e):
-                await self._lost(send, key, idem_scope, e.sqlstate or "")
+            err = e
+        if err is not None and (err.sqlstate or "").startswith("22") and json_text is not None:
+            # JSON this process reads but jsonb refuses (a number past numeric's
+            # range): stored as the handler's bytes, which the client gets too
+            envelope, json_text = http_envelope(headers, body_in, None)
+            omitted = len(envelope.encode("utf-8")) > info.max_response_size
+            if omitted:
+                envelope = too_large_envelope(headers)
+            try:
+                finished = await self._finish(ids, status, envelope, None, decision)
+                err = None
+            except psycopg.Error as e:
+                err = e
+        if err is not None:
+            json_text = None
+            finished = await self._finish_failed(send, ids, status, headers, decision, err,
+                                                 omitted)
+            if finished is None:
                 return
-            self.log.warning("could not store the result of idempotency key %r: %s", key, e)
-            await self._release(ids)
-            if send is not None:
-                await self._unavailable(send)
-            return
+            omitted, envelope = True, too_large_envelope(headers)
         assert finished is not None
         expires_at, stored_text = finished
         if json_text is not None and stored_text != json_text:
@@ -622,6 +627,42 @@ class IdempotencyMiddleware:
             return
         await self._send(send, status, out_headers + [self._retention_header()],
                          bytes(response.body), content_length=True)
+
+    async def _finish_failed(self, send: Optional[Send], ids: Dict[str, Any], status: int,
+                             headers: Dict[str, str], decision: str, err: psycopg.Error,
+                             omitted: bool) -> Optional[Tuple[Any, ...]]:
+        """After a failed finish: the finish of the too-large envelope when the
+        server found the result too large (None if that fails too), else None
+        once the client has its answer. The handler ran, so the key is never
+        released here: a released key would let a retry run it again as a
+        first attempt. It stays pending until its lease runs out, then a retry
+        takes it over."""
+        key = ids["key"]
+        if err.sqlstate == "54000" and not omitted:
+            # jsonb's size is not the text's: the server has the last word
+            try:
+                return await self._finish(ids, status, too_large_envelope(headers), None,
+                                          decision)
+            except psycopg.Error as again:
+                err = again
+        if is_lost(err):
+            await self._lost(send, key, ids["scope"], err.sqlstate or "")
+            return None
+        detail = misconfiguration(err, self._database(), "store of the result")
+        if detail is None and _is_unavailable(err):
+            self.log.warning("could not store the result of idempotency key %r (scope %r): "
+                             "%s; the key is left to its lease (retries get 409 until it "
+                             "runs out)", key, ids["scope"], err)
+            if send is not None:
+                await self._unavailable(send)
+            return None
+        if detail is None:
+            detail = f"Storing the result of an idempotency key failed: {err!r}"
+        self.log.warning("could not store the result of idempotency key %r (scope %r); the "
+                         "key is left to its lease: %s", key, ids["scope"], detail)
+        if send is not None:
+            await self._misconfigured(send, detail)
+        return None
 
     def _decide(self, status: int) -> StoreDecision:
         if self.store_policy is not None:
@@ -745,6 +786,15 @@ class IdempotencyMiddleware:
         except OSError as e:
             # the client is gone; what it would have got is stored for its retry
             self.log.info("could not send the response: %s", e)
+
+
+def _is_unavailable(err: psycopg.Error) -> bool:
+    """A store briefly unavailable: a lost connection (no SQLSTATE) or one of
+    the SQLSTATEs a retry may get past."""
+    state = err.sqlstate
+    if state is None:
+        return isinstance(err, psycopg.OperationalError)
+    return state.startswith("08") or state in UNAVAILABLE_SQLSTATES
 
 
 def _header(headers: List[Tuple[bytes, bytes]], name: bytes) -> Optional[str]:
