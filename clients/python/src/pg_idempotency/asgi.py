@@ -225,7 +225,8 @@ class IdempotencyMiddleware:
     or 'release' (default ``default_store_policy``); ``store_server_errors``
     (default False) stores 5xx as failed under the default policy.
     ``retry_after_max`` (default 5 s): cap of ``Retry-After`` on a 409.
-    ``max_body_size`` (default 1 MiB): larger request bodies get 413.
+    ``max_body_size`` (default 1 MiB): larger request bodies get 413; None or
+    0: no limit.
     ``handler_timeout`` (default 300 s; 0 or None: none): the client gets 504.
     ``problem_type_base``: prefix of the problem ``type`` URIs.
     ``cache``: an int N or a ``ResultCache``: serve replays of finished keys
@@ -267,7 +268,7 @@ class IdempotencyMiddleware:
         self.store_policy = store_policy
         self.store_server_errors = store_server_errors
         self.retry_after_max = retry_after_max
-        self.max_body_size = max_body_size or None
+        self.max_body_size = _body_limit(max_body_size)
         timeout = to_seconds(handler_timeout) if handler_timeout else 0.0
         self.handler_timeout = timeout if timeout > 0 else None
         self.problem_type_base = problem_type_base
@@ -786,6 +787,20 @@ class IdempotencyMiddleware:
         except OSError as e:
             # the client is gone; what it would have got is stored for its retry
             self.log.info("could not send the response: %s", e)
+
+
+def _body_limit(value: Any) -> Optional[int]:
+    """The ``max_body_size`` option as a limit in bytes, None for no limit
+    (None or 0). A bad value fails at startup, not as 413s on every request."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("max_body_size must be a whole number of bytes, 0 or None (no "
+                        f"limit), not {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError("max_body_size must be a whole number of bytes, 0 or None (no "
+                         f"limit), not {value}")
+    return value or None
 
 
 def _is_unavailable(err: psycopg.Error) -> bool:
