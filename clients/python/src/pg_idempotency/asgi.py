@@ -39,9 +39,9 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX_KEY_LENGTH,
-                    RELEASE_SQL, SERVER_INFO_SQL, UNAVAILABLE_SQLSTATES, ClaimRow, Duration, MisconfiguredError,
-                    ServerInfo, acall_with_retry, afetch_one, envelope_body, http_envelope,
-                    is_envelope, is_json_media_type, is_lost, json_body_text,
+                    RELEASE_SQL, SERVER_INFO_SQL, UNAVAILABLE_SQLSTATES, ClaimRow, Duration,
+                    MisconfiguredError, ServerInfo, acall_with_retry, afetch_one, envelope_body,
+                    http_envelope, is_envelope, is_json_media_type, is_lost, json_body_text,
                     known_server_info, misconfiguration, released_before,
                     remember_server_info, server_info, to_seconds, to_timedelta,
                     too_large_envelope)
@@ -75,18 +75,22 @@ DEFAULT_STORE_HEADERS = frozenset({"content-type", "content-encoding", "content-
 FRAMING_HEADERS = frozenset({"transfer-encoding", "content-length", "connection", "keep-alive",
                              "upgrade", "te", "trailer", "proxy-connection"})
 
-_TITLES = {
-    "idempotency-key-missing": "Idempotency-Key header missing",
-    "idempotency-key-malformed": "Idempotency-Key header malformed",
-    "idempotency-key-repeated": "Idempotency-Key header repeated",
-    "idempotency-key-too-long": "Idempotency-Key too long",
-    "idempotency-key-in-use": "A request with this Idempotency-Key is in progress",
-    "idempotency-key-reused": "Idempotency-Key reused with a different request",
-    "idempotency-key-lost": "Idempotency-Key lost to a newer attempt",
-    "idempotency-request-too-large": "Request body too large",
-    "idempotency-misconfigured": "Idempotency middleware misconfigured",
-    "idempotency-unavailable": "Idempotency store briefly unavailable",
-    "idempotency-handler-timeout": "Request handler timed out",
+#: Every problem this middleware answers: its slug, status and title, the
+#: same in both libraries (clients/contract/http.json).
+PROBLEMS: Dict[str, Dict[str, Any]] = {
+    "idempotency-key-missing": {"status": 400, "title": "Idempotency-Key header missing"},
+    "idempotency-key-malformed": {"status": 400, "title": "Idempotency-Key header malformed"},
+    "idempotency-key-repeated": {"status": 400, "title": "Idempotency-Key header repeated"},
+    "idempotency-key-too-long": {"status": 400, "title": "Idempotency-Key too long"},
+    "idempotency-key-in-use": {"status": 409, "title": "A request with this Idempotency-Key "
+                                                       "is in progress"},
+    "idempotency-key-reused": {"status": 422, "title": "Idempotency-Key reused with a "
+                                                       "different request"},
+    "idempotency-key-lost": {"status": 409, "title": "Idempotency-Key lost to a newer attempt"},
+    "idempotency-request-too-large": {"status": 413, "title": "Request body too large"},
+    "idempotency-misconfigured": {"status": 500, "title": "Idempotency middleware misconfigured"},
+    "idempotency-unavailable": {"status": 503, "title": "Idempotency store briefly unavailable"},
+    "idempotency-handler-timeout": {"status": 504, "title": "Request handler timed out"},
 }
 
 # statuses whose responses carry no body, and so no content-length
@@ -291,7 +295,7 @@ class IdempotencyMiddleware:
             parsed = parse_idempotency_key(values)
             if parsed.key is None:
                 assert parsed.error is not None
-                await self._problem(send, 400, parsed.error, parsed.detail)
+                await self._problem(send, parsed.error, parsed.detail)
                 return
             key = parsed.key
 
@@ -299,7 +303,7 @@ class IdempotencyMiddleware:
         if body is _DISCONNECTED:
             return                      # the client left before sending its body
         if body is _TOO_LARGE:
-            await self._problem(send, 413, "idempotency-request-too-large",
+            await self._problem(send, "idempotency-request-too-large",
                                 f"The request body is larger than {self.max_body_size} bytes, "
                                 "the most this endpoint accepts; the Idempotency-Key was not "
                                 "used.")
@@ -313,15 +317,15 @@ class IdempotencyMiddleware:
                     await self.app(scope, _receive_body_once(body, receive),
                                    self._with_retention(send))
                     return
-                await self._problem(send, 400, "idempotency-key-missing",
+                await self._problem(send, "idempotency-key-missing",
                                     "This request carries no idempotency key.")
                 return
             if not key or _CONTROL.search(key):
-                await self._problem(send, 400, "idempotency-key-malformed",
+                await self._problem(send, "idempotency-key-malformed",
                                     "The idempotency key is empty or holds control characters.")
                 return
             if len(key) > MAX_KEY_LENGTH:
-                await self._problem(send, 400, "idempotency-key-too-long",
+                await self._problem(send, "idempotency-key-too-long",
                                     f"The idempotency key is longer than {MAX_KEY_LENGTH} "
                                     "characters.")
                 return
@@ -368,11 +372,11 @@ class IdempotencyMiddleware:
             # whole seconds, never past the cap (a fractional cap rounds down)
             wait = min(max(1, math.ceil(row.retry_after or 1)),
                        max(1, math.floor(self.retry_after_max)))
-            await self._problem(send, 409, "idempotency-key-in-use",
+            await self._problem(send, "idempotency-key-in-use",
                                 "A request with this Idempotency-Key is still being processed; "
                                 "retry later.", [(b"retry-after", str(wait).encode())])
         elif row.outcome == "mismatch":
-            await self._problem(send, 422, "idempotency-key-reused",
+            await self._problem(send, "idempotency-key-reused",
                                 "This Idempotency-Key was used with a different request "
                                 "(method, path or body).")
         else:
@@ -523,7 +527,7 @@ class IdempotencyMiddleware:
                 self.log.warning("the handler for idempotency key %r (scope %r) outlived "
                                  "handler_timeout (%s s): answered 504, its lease is no "
                                  "longer renewed", key, idem_scope, self.handler_timeout)
-                await self._problem(send, 504, "idempotency-handler-timeout",
+                await self._problem(send, "idempotency-handler-timeout",
                                     "The request handler did not answer in time. Its "
                                     "result is stored if it still finishes first; retry "
                                     "later with the same Idempotency-Key.")
@@ -723,7 +727,7 @@ class IdempotencyMiddleware:
                          "the response was not stored", key, idem_scope, sqlstate)
         if send is None:
             return
-        await self._problem(send, 409, "idempotency-key-lost",
+        await self._problem(send, "idempotency-key-lost",
                             "This request outlived its claim on the Idempotency-Key and another "
                             "attempt took it over; its result was not stored. Retry to get the "
                             "stored result.")
@@ -742,7 +746,7 @@ class IdempotencyMiddleware:
         return wrapped
 
     async def _unavailable(self, send: Send) -> None:
-        await self._problem(send, 503, "idempotency-unavailable",
+        await self._problem(send, "idempotency-unavailable",
                             "The result could not be recorded. Retry this request with the "
                             "same Idempotency-Key.", [(b"retry-after", b"1")])
 
@@ -751,7 +755,7 @@ class IdempotencyMiddleware:
             self._logged_causes.add(detail)
             self.log.error("pg-idempotency is misconfigured (answering 500 until it is "
                            "fixed): %s", detail)
-        await self._problem(send, 500, "idempotency-misconfigured", detail)
+        await self._problem(send, "idempotency-misconfigured", detail)
 
     async def _replay(self, send: Send, code: Optional[int], stored: Any,
                       body_text: Optional[str] = None) -> None:
@@ -764,9 +768,11 @@ class IdempotencyMiddleware:
         raw.append(self._retention_header())
         await self._send(send, code or 200, raw, body, content_length=True)
 
-    async def _problem(self, send: Send, status: int, slug: str, detail: str,
+    async def _problem(self, send: Send, slug: str, detail: str,
                        headers: Optional[List[Tuple[bytes, bytes]]] = None) -> None:
-        body = json.dumps({"type": self.problem_type_base + slug, "title": _TITLES[slug],
+        status: int = PROBLEMS[slug]["status"]
+        body = json.dumps({"type": self.problem_type_base + slug,
+                           "title": PROBLEMS[slug]["title"],
                            "status": status, "detail": detail}).encode()
         raw = [(b"content-type", b"application/problem+json")] + (headers or [])
         raw.append(self._retention_header())
