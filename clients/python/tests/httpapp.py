@@ -93,6 +93,12 @@ def make_app(pool: Optional[AsyncConnectionPool] = None, **options: Any) -> Any:
         return Response(await request.body(), media_type="application/json",
                         headers={"ETag": '"v1"'})
 
+    @app.post("/huge-number")
+    async def huge_number() -> Response:
+        count("huge-number")
+        # JSON that Python's parser reads (as a float inf) and jsonb refuses
+        return Response(b'{"n": 1e1000000}', status_code=201, media_type="application/json")
+
     @app.post("/gzip")
     async def gzipped() -> Response:
         count("gzip")

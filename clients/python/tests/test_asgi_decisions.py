@@ -158,6 +158,41 @@ def test_a_declared_content_length_over_the_limit_is_refused_unread(db: Any, key
     assert app.runs == 1 and stored(db, key)[:3] == ("succeeded", 1, 201)  # type: ignore
 
 
+
+@pytest.mark.parametrize("options, limit", [
+    ({}, 1024 * 1024),
+    ({"max_body_size": None}, None),
+    ({"max_body_size": 0}, None),
+    ({"max_body_size": 100, "fingerprint": lambda req: {"path": req.path}}, 100),
+], ids=["absent: 1 MiB", "None: no limit", "0: no limit", "with a fingerprint option"])
+def test_the_body_limit_declared_and_chunked(db: Any, key: str, options: Dict[str, Any],
+                                             limit: Optional[int]) -> None:
+    app = App(lambda body: (201, [], b""))
+    server, _, _ = serve(app, **options)
+    size = (limit or 1024 * 1024) + 1
+
+    def chunked() -> Iterator[bytes]:
+        for start in range(0, size, 4096):
+            yield b"x" * min(4096, size - start)
+    with server:
+        for i, content in enumerate([b"x" * size, chunked()]):
+            r = post(server, f"{key}-{i}", content)  # type: ignore[arg-type]
+            if limit is None:
+                assert r.status_code == 201, r.text
+                assert len(app.bodies[-1]) == size
+            else:
+                problem(r, 413, "idempotency-request-too-large")
+                assert stored(db, f"{key}-{i}") is None
+    assert app.runs == (2 if limit is None else 0)
+
+
+@pytest.mark.parametrize("value, error", [(-1, ValueError), (1.5, TypeError),
+                                          ("1024", TypeError), (True, TypeError)])
+def test_a_bad_max_body_size_is_refused_at_construction(value: Any, error: Any) -> None:
+    with pytest.raises(error, match="max_body_size"):
+        IdempotencyMiddleware(App(lambda body: (201, [], b"")),
+                              pool=None, max_body_size=value)  # type: ignore[arg-type]
+
 # ---- status policy -----------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from conftest import Server, database_with_extension, with_pool_lifespan
 from pg_idempotency import IdempotencyMiddleware
+from pg_idempotency.asgi import PROBLEMS as LIBRARY_PROBLEMS
 
 CONTRACT = Path(os.environ.get("IDEM_CONTRACT")
                 or Path(__file__).resolve().parent.parent.parent / "contract" / "http.json")
@@ -178,3 +179,9 @@ def test_every_case_ran_from_the_shared_file() -> None:
     assert len(SPEC["cases"]) >= 25 and set(PROBLEMS) >= {
         "idempotency-misconfigured", "idempotency-handler-timeout"}
 
+
+
+def test_the_problem_table_is_the_contract_s() -> None:
+    """Every problem this library answers, with its status and title, is the
+    shared file's, and no other: a changed title or status fails here."""
+    assert LIBRARY_PROBLEMS == PROBLEMS

@@ -195,7 +195,8 @@ _LOGIN_REFUSALS = (
 )
 
 
-def misconfiguration(err: BaseException, database: Optional[str] = None) -> Optional[str]:
+def misconfiguration(err: BaseException, database: Optional[str] = None,
+                     action: str = "claim") -> Optional[str]:
     """The detail (cause and fix) when ``err`` means the setup is wrong, None
     when it is (or may be) a passing unavailability."""
     where = f" in database \"{database}\"" if database else ""
@@ -226,7 +227,7 @@ def misconfiguration(err: BaseException, database: Optional[str] = None) -> Opti
         return f"The server refused the login ({err}): check the pool's credentials."
     if state == "3D000":
         return f"The database does not exist ({err}): check the pool's conninfo."
-    return f"The idempotency claim failed{where} with SQLSTATE {state}: {err}"
+    return f"The idempotency {action} failed{where} with SQLSTATE {state}: {err}"
 
 
 @dataclass(frozen=True)

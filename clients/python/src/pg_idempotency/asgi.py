@@ -39,9 +39,9 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX_KEY_LENGTH,
-                    RELEASE_SQL, SERVER_INFO_SQL, ClaimRow, Duration, MisconfiguredError,
-                    ServerInfo, acall_with_retry, afetch_one, envelope_body, http_envelope,
-                    is_envelope, is_json_media_type, is_lost, json_body_text,
+                    RELEASE_SQL, SERVER_INFO_SQL, UNAVAILABLE_SQLSTATES, ClaimRow, Duration,
+                    MisconfiguredError, ServerInfo, acall_with_retry, afetch_one, envelope_body,
+                    http_envelope, is_envelope, is_json_media_type, is_lost, json_body_text,
                     known_server_info, misconfiguration, released_before,
                     remember_server_info, server_info, to_seconds, to_timedelta,
                     too_large_envelope)
@@ -75,18 +75,22 @@ DEFAULT_STORE_HEADERS = frozenset({"content-type", "content-encoding", "content-
 FRAMING_HEADERS = frozenset({"transfer-encoding", "content-length", "connection", "keep-alive",
                              "upgrade", "te", "trailer", "proxy-connection"})
 
-_TITLES = {
-    "idempotency-key-missing": "Idempotency-Key header missing",
-    "idempotency-key-malformed": "Idempotency-Key header malformed",
-    "idempotency-key-repeated": "Idempotency-Key header repeated",
-    "idempotency-key-too-long": "Idempotency-Key too long",
-    "idempotency-key-in-use": "A request with this Idempotency-Key is in progress",
-    "idempotency-key-reused": "Idempotency-Key reused with a different request",
-    "idempotency-key-lost": "Idempotency-Key lost to a newer attempt",
-    "idempotency-request-too-large": "Request body too large",
-    "idempotency-misconfigured": "Idempotency middleware misconfigured",
-    "idempotency-unavailable": "Idempotency store briefly unavailable",
-    "idempotency-handler-timeout": "Request handler timed out",
+#: Every problem this middleware answers: its slug, status and title, the
+#: same in both libraries (clients/contract/http.json).
+PROBLEMS: Dict[str, Dict[str, Any]] = {
+    "idempotency-key-missing": {"status": 400, "title": "Idempotency-Key header missing"},
+    "idempotency-key-malformed": {"status": 400, "title": "Idempotency-Key header malformed"},
+    "idempotency-key-repeated": {"status": 400, "title": "Idempotency-Key header repeated"},
+    "idempotency-key-too-long": {"status": 400, "title": "Idempotency-Key too long"},
+    "idempotency-key-in-use": {"status": 409, "title": "A request with this Idempotency-Key "
+                                                       "is in progress"},
+    "idempotency-key-reused": {"status": 422, "title": "Idempotency-Key reused with a "
+                                                       "different request"},
+    "idempotency-key-lost": {"status": 409, "title": "Idempotency-Key lost to a newer attempt"},
+    "idempotency-request-too-large": {"status": 413, "title": "Request body too large"},
+    "idempotency-misconfigured": {"status": 500, "title": "Idempotency middleware misconfigured"},
+    "idempotency-unavailable": {"status": 503, "title": "Idempotency store briefly unavailable"},
+    "idempotency-handler-timeout": {"status": 504, "title": "Request handler timed out"},
 }
 
 # statuses whose responses carry no body, and so no content-length
@@ -225,7 +229,8 @@ class IdempotencyMiddleware:
     or 'release' (default ``default_store_policy``); ``store_server_errors``
     (default False) stores 5xx as failed under the default policy.
     ``retry_after_max`` (default 5 s): cap of ``Retry-After`` on a 409.
-    ``max_body_size`` (default 1 MiB): larger request bodies get 413.
+    ``max_body_size`` (default 1 MiB): larger request bodies get 413; None or
+    0: no limit.
     ``handler_timeout`` (default 300 s; 0 or None: none): the client gets 504.
     ``problem_type_base``: prefix of the problem ``type`` URIs.
     ``cache``: an int N or a ``ResultCache``: serve replays of finished keys
@@ -267,7 +272,7 @@ class IdempotencyMiddleware:
         self.store_policy = store_policy
         self.store_server_errors = store_server_errors
         self.retry_after_max = retry_after_max
-        self.max_body_size = max_body_size or None
+        self.max_body_size = _body_limit(max_body_size)
         timeout = to_seconds(handler_timeout) if handler_timeout else 0.0
         self.handler_timeout = timeout if timeout > 0 else None
         self.problem_type_base = problem_type_base
@@ -290,7 +295,7 @@ class IdempotencyMiddleware:
             parsed = parse_idempotency_key(values)
             if parsed.key is None:
                 assert parsed.error is not None
-                await self._problem(send, 400, parsed.error, parsed.detail)
+                await self._problem(send, parsed.error, parsed.detail)
                 return
             key = parsed.key
 
@@ -298,7 +303,7 @@ class IdempotencyMiddleware:
         if body is _DISCONNECTED:
             return                      # the client left before sending its body
         if body is _TOO_LARGE:
-            await self._problem(send, 413, "idempotency-request-too-large",
+            await self._problem(send, "idempotency-request-too-large",
                                 f"The request body is larger than {self.max_body_size} bytes, "
                                 "the most this endpoint accepts; the Idempotency-Key was not "
                                 "used.")
@@ -312,15 +317,15 @@ class IdempotencyMiddleware:
                     await self.app(scope, _receive_body_once(body, receive),
                                    self._with_retention(send))
                     return
-                await self._problem(send, 400, "idempotency-key-missing",
+                await self._problem(send, "idempotency-key-missing",
                                     "This request carries no idempotency key.")
                 return
             if not key or _CONTROL.search(key):
-                await self._problem(send, 400, "idempotency-key-malformed",
+                await self._problem(send, "idempotency-key-malformed",
                                     "The idempotency key is empty or holds control characters.")
                 return
             if len(key) > MAX_KEY_LENGTH:
-                await self._problem(send, 400, "idempotency-key-too-long",
+                await self._problem(send, "idempotency-key-too-long",
                                     f"The idempotency key is longer than {MAX_KEY_LENGTH} "
                                     "characters.")
                 return
@@ -367,11 +372,11 @@ class IdempotencyMiddleware:
             # whole seconds, never past the cap (a fractional cap rounds down)
             wait = min(max(1, math.ceil(row.retry_after or 1)),
                        max(1, math.floor(self.retry_after_max)))
-            await self._problem(send, 409, "idempotency-key-in-use",
+            await self._problem(send, "idempotency-key-in-use",
                                 "A request with this Idempotency-Key is still being processed; "
                                 "retry later.", [(b"retry-after", str(wait).encode())])
         elif row.outcome == "mismatch":
-            await self._problem(send, 422, "idempotency-key-reused",
+            await self._problem(send, "idempotency-key-reused",
                                 "This Idempotency-Key was used with a different request "
                                 "(method, path or body).")
         else:
@@ -522,7 +527,7 @@ class IdempotencyMiddleware:
                 self.log.warning("the handler for idempotency key %r (scope %r) outlived "
                                  "handler_timeout (%s s): answered 504, its lease is no "
                                  "longer renewed", key, idem_scope, self.handler_timeout)
-                await self._problem(send, 504, "idempotency-handler-timeout",
+                await self._problem(send, "idempotency-handler-timeout",
                                     "The request handler did not answer in time. Its "
                                     "result is stored if it still finishes first; retry "
                                     "later with the same Idempotency-Key.")
@@ -579,25 +584,30 @@ class IdempotencyMiddleware:
         omitted = len(envelope.encode("utf-8")) > info.max_response_size
         if omitted:
             envelope, json_text = too_large_envelope(headers), None
+        err: Optional[psycopg.Error] = None
         try:
-            try:
-                finished = await self._finish(ids, status, envelope, json_text, decision)
-            except psycopg.Error as e:
-                if e.sqlstate != "54000" or omitted:
-                    raise
-                # jsonb's size is not the text's: the server has the last word
-                omitted = True
-                envelope, json_text = too_large_envelope(headers), None
-                finished = await self._finish(ids, status, envelope, json_text, decision)
+            finished = await self._finish(ids, status, envelope, json_text, decision)
         except psycopg.Error as e:
-            if is_lost(e):
-                await self._lost(send, key, idem_scope, e.sqlstate or "")
+            err = e
+        if err is not None and (err.sqlstate or "").startswith("22") and json_text is not None:
+            # JSON this process reads but jsonb refuses (a number past numeric's
+            # range): stored as the handler's bytes, which the client gets too
+            envelope, json_text = http_envelope(headers, body_in, None)
+            omitted = len(envelope.encode("utf-8")) > info.max_response_size
+            if omitted:
+                envelope = too_large_envelope(headers)
+            try:
+                finished = await self._finish(ids, status, envelope, None, decision)
+                err = None
+            except psycopg.Error as e:
+                err = e
+        if err is not None:
+            json_text = None
+            finished = await self._finish_failed(send, ids, status, headers, decision, err,
+                                                 omitted)
+            if finished is None:
                 return
-            self.log.warning("could not store the result of idempotency key %r: %s", key, e)
-            await self._release(ids)
-            if send is not None:
-                await self._unavailable(send)
-            return
+            omitted, envelope = True, too_large_envelope(headers)
         assert finished is not None
         expires_at, stored_text = finished
         if json_text is not None and stored_text != json_text:
@@ -622,6 +632,42 @@ class IdempotencyMiddleware:
             return
         await self._send(send, status, out_headers + [self._retention_header()],
                          bytes(response.body), content_length=True)
+
+    async def _finish_failed(self, send: Optional[Send], ids: Dict[str, Any], status: int,
+                             headers: Dict[str, str], decision: str, err: psycopg.Error,
+                             omitted: bool) -> Optional[Tuple[Any, ...]]:
+        """After a failed finish: the finish of the too-large envelope when the
+        server found the result too large (None if that fails too), else None
+        once the client has its answer. The handler ran, so the key is never
+        released here: a released key would let a retry run it again as a
+        first attempt. It stays pending until its lease runs out, then a retry
+        takes it over."""
+        key = ids["key"]
+        if err.sqlstate == "54000" and not omitted:
+            # jsonb's size is not the text's: the server has the last word
+            try:
+                return await self._finish(ids, status, too_large_envelope(headers), None,
+                                          decision)
+            except psycopg.Error as again:
+                err = again
+        if is_lost(err):
+            await self._lost(send, key, ids["scope"], err.sqlstate or "")
+            return None
+        detail = misconfiguration(err, self._database(), "store of the result")
+        if detail is None and _is_unavailable(err):
+            self.log.warning("could not store the result of idempotency key %r (scope %r): "
+                             "%s; the key is left to its lease (retries get 409 until it "
+                             "runs out)", key, ids["scope"], err)
+            if send is not None:
+                await self._unavailable(send)
+            return None
+        if detail is None:
+            detail = f"Storing the result of an idempotency key failed: {err!r}"
+        self.log.warning("could not store the result of idempotency key %r (scope %r); the "
+                         "key is left to its lease: %s", key, ids["scope"], detail)
+        if send is not None:
+            await self._misconfigured(send, detail)
+        return None
 
     def _decide(self, status: int) -> StoreDecision:
         if self.store_policy is not None:
@@ -681,7 +727,7 @@ class IdempotencyMiddleware:
                          "the response was not stored", key, idem_scope, sqlstate)
         if send is None:
             return
-        await self._problem(send, 409, "idempotency-key-lost",
+        await self._problem(send, "idempotency-key-lost",
                             "This request outlived its claim on the Idempotency-Key and another "
                             "attempt took it over; its result was not stored. Retry to get the "
                             "stored result.")
@@ -700,7 +746,7 @@ class IdempotencyMiddleware:
         return wrapped
 
     async def _unavailable(self, send: Send) -> None:
-        await self._problem(send, 503, "idempotency-unavailable",
+        await self._problem(send, "idempotency-unavailable",
                             "The result could not be recorded. Retry this request with the "
                             "same Idempotency-Key.", [(b"retry-after", b"1")])
 
@@ -709,7 +755,7 @@ class IdempotencyMiddleware:
             self._logged_causes.add(detail)
             self.log.error("pg-idempotency is misconfigured (answering 500 until it is "
                            "fixed): %s", detail)
-        await self._problem(send, 500, "idempotency-misconfigured", detail)
+        await self._problem(send, "idempotency-misconfigured", detail)
 
     async def _replay(self, send: Send, code: Optional[int], stored: Any,
                       body_text: Optional[str] = None) -> None:
@@ -722,9 +768,11 @@ class IdempotencyMiddleware:
         raw.append(self._retention_header())
         await self._send(send, code or 200, raw, body, content_length=True)
 
-    async def _problem(self, send: Send, status: int, slug: str, detail: str,
+    async def _problem(self, send: Send, slug: str, detail: str,
                        headers: Optional[List[Tuple[bytes, bytes]]] = None) -> None:
-        body = json.dumps({"type": self.problem_type_base + slug, "title": _TITLES[slug],
+        status: int = PROBLEMS[slug]["status"]
+        body = json.dumps({"type": self.problem_type_base + slug,
+                           "title": PROBLEMS[slug]["title"],
                            "status": status, "detail": detail}).encode()
         raw = [(b"content-type", b"application/problem+json")] + (headers or [])
         raw.append(self._retention_header())
@@ -745,6 +793,29 @@ class IdempotencyMiddleware:
         except OSError as e:
             # the client is gone; what it would have got is stored for its retry
             self.log.info("could not send the response: %s", e)
+
+
+def _body_limit(value: Any) -> Optional[int]:
+    """The ``max_body_size`` option as a limit in bytes, None for no limit
+    (None or 0). A bad value fails at startup, not as 413s on every request."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("max_body_size must be a whole number of bytes, 0 or None (no "
+                        f"limit), not {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError("max_body_size must be a whole number of bytes, 0 or None (no "
+                         f"limit), not {value}")
+    return value or None
+
+
+def _is_unavailable(err: psycopg.Error) -> bool:
+    """A store briefly unavailable: a lost connection (no SQLSTATE) or one of
+    the SQLSTATEs a retry may get past."""
+    state = err.sqlstate
+    if state is None:
+        return isinstance(err, psycopg.OperationalError)
+    return state.startswith("08") or state in UNAVAILABLE_SQLSTATES
 
 
 def _header(headers: List[Tuple[bytes, bytes]], name: bytes) -> Optional[str]:
