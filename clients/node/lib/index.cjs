@@ -1437,10 +1437,20 @@ function readStream(stream) {
  */
 function peekBody(req, limit) {
 	return new Promise((resolve, reject) => {
+		/*
+		 * An empty body that ended before anyone listened (an await came
+		 * first: a key(req) option, an async middleware) emits no 'readable'
+		 * any more: it is empty, and nothing needs to be put back.
+		 */
+		if (req.complete && req.readableLength === 0) {
+			resolve(Buffer.alloc(0));
+			return;
+		}
 		const chunks = [];
 		let size = 0;
 		const finish = (value, err) => {
 			req.off('readable', onReadable);
+			req.off('end', onEnd);
 			req.off('error', onError);
 			req.off('close', onClose);
 			if (err)
@@ -1467,6 +1477,10 @@ function peekBody(req, limit) {
 				finish(body);
 			}
 		}
+		/* the stream ended under us: what was read is the body, nothing is left to put back */
+		function onEnd() {
+			finish(Buffer.concat(chunks));
+		}
 		function onError(err) {
 			finish(undefined, err);
 		}
@@ -1475,6 +1489,7 @@ function peekBody(req, limit) {
 				finish(undefined, new IdempotencyError('the request was aborted while its body was read'));
 		}
 		req.on('readable', onReadable);
+		req.on('end', onEnd);
 		req.on('error', onError);
 		req.on('close', onClose);
 	});
