@@ -140,7 +140,9 @@ const ENVIRONMENT_SQL = `
 SELECT pg_catalog.current_database() AS database,
        (SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'idempotency') AS version,
        (SELECT setting FROM pg_catalog.pg_settings
-         WHERE name = 'idempotency.max_response_size') AS max_response_size`;
+         WHERE name = 'idempotency.max_response_size') AS max_response_size,
+       (SELECT unit FROM pg_catalog.pg_settings
+         WHERE name = 'idempotency.max_response_size') AS max_response_size_unit`;
 
 const EXTEND_SQL = `
 SELECT idempotency.idem_extend(key => $1, token => $2::bigint,
@@ -272,6 +274,38 @@ function versionBefore(a, b) {
 	return false;
 }
 
+/* PostgreSQL's memory units (guc.c): powers of 1024, case-sensitive */
+const MEMORY_UNITS = { B: 1, kB: 1024, MB: 1024 ** 2, GB: 1024 ** 3, TB: 1024 ** 4 };
+
+/*
+ * A memory setting of pg_settings in bytes.  With the library loaded in the
+ * session, `setting` is a number of `unit` (B, kB, 8kB, ...); before it is
+ * loaded, the variable is a placeholder whose `setting` is the text as
+ * written ("2MB", "512 kB") and `unit` is null.  Anything else is not a
+ * size this client can trust: the fallback.
+ */
+function parseMemorySetting(setting, unit, fallback) {
+	if (setting === null || setting === undefined)
+		return fallback;
+	const m = /^\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*$/.exec(String(setting));
+	if (m === null)
+		return fallback;
+	let factor;
+	if (m[2] !== '') {
+		factor = MEMORY_UNITS[m[2]];
+	} else if (unit === null || unit === undefined || unit === '') {
+		factor = 1;
+	} else {
+		const u = /^(\d*)([A-Za-z]+)$/.exec(String(unit));
+		factor = u === null || MEMORY_UNITS[u[2]] === undefined ? undefined
+			: (u[1] === '' ? 1 : Number(u[1])) * MEMORY_UNITS[u[2]];
+	}
+	if (factor === undefined)
+		return fallback;
+	const bytes = Math.round(Number(m[1]) * factor);
+	return Number.isSafeInteger(bytes) ? bytes : fallback;
+}
+
 /*
  * Read once per pool, at its first claim: the database's name, the
  * extension's version (absent or too old: MisconfiguredError) and
@@ -293,11 +327,11 @@ function poolInfo(pool, log) {
 	if (pending === undefined) {
 		pending = (async () => {
 			const { rows } = await pool.query(ENVIRONMENT_SQL);
-			const { database, version, max_response_size: max } = rows[0];
+			const { database, version, max_response_size: max, max_response_size_unit: unit } = rows[0];
 			if (version === null || version === undefined)
 				throw new MisconfiguredError(notInstalled(database));
 			requireVersion({ database, version }, MIN_EXTENSION_VERSION, '');
-			const maxResponseSize = max === null || max === undefined ? DEFAULT_MAX_RESPONSE_SIZE : Number(max);
+			const maxResponseSize = parseMemorySetting(max, unit, DEFAULT_MAX_RESPONSE_SIZE);
 			log(`pg-idempotency: database ${JSON.stringify(database)}, idempotency extension ${version}; ` +
 				`responses over ${maxResponseSize} bytes are stored without their body`);
 			return { database, version, maxResponseSize };
