@@ -831,10 +831,14 @@ function checkCustomKey(value) {
 /* -------------------------------------------------------------- HTTP engine */
 
 /*
- * Stripe's documented behaviour: what a status means for the key.  A 304
- * answers a conditional request of one client and is never replayed to
- * another; a 5xx says nothing about the request unless the application
- * wants it kept (storeServerErrors).
+ * What a status means for the key: a 2xx or 3xx is the operation's outcome
+ * and is kept; a 4xx says the request itself is wrong, so a retry of the same
+ * request gets the same answer and it is kept too.  A 5xx says nothing about
+ * the request (the server failed, perhaps before doing anything), so the key
+ * is released and a retry runs the request again, unless the application
+ * knows its 5xx are final (storeServerErrors).  408, 409, 425 and 429 say
+ * "not now", which a retry may change: released.  A 304 answers the
+ * conditional request of one client and means nothing to another: released.
  */
 function defaultStorePolicy(status, { storeServerErrors = false } = {}) {
 	if (status >= 500)
