@@ -937,6 +937,20 @@ function createCache(max) {
 	};
 }
 
+/*
+ * maxBodySize: bytes; null or 0 lifts the limit (Infinity here), absent is
+ * the default.  A bad value fails at construction, not at the first request.
+ */
+function bodyLimit(value) {
+	if (value === undefined)
+		return DEFAULT_MAX_BODY_SIZE;
+	if (value === null || value === 0)
+		return Infinity;
+	if (!Number.isSafeInteger(value) || value < 0)
+		throw new TypeError(`maxBodySize must be a whole number of bytes (0 or null: no limit), got ${String(value)}`);
+	return value;
+}
+
 /* the request body was over maxBodySize: what a rawBody() reader returns then */
 const TOO_LARGE = Symbol('pg-idempotency.tooLarge');
 
@@ -967,9 +981,7 @@ function createEngine(options) {
 	const retryAfterMax = Math.max(1, Math.floor(positiveSeconds(options.retryAfterMax, 'retryAfterMax', DEFAULT_RETRY_AFTER_MAX)));
 	const handlerTimeout = options.handlerTimeout === 0 || options.handlerTimeout === null ? 0
 		: positiveSeconds(options.handlerTimeout, 'handlerTimeout', DEFAULT_HANDLER_TIMEOUT);
-	const maxBodySize = options.maxBodySize ?? DEFAULT_MAX_BODY_SIZE;
-	if (!Number.isSafeInteger(maxBodySize) || maxBodySize < 0)
-		throw new TypeError(`maxBodySize must be a number of bytes, got ${String(options.maxBodySize)}`);
+	const maxBodySize = bodyLimit(options.maxBodySize);
 	const canonicalJson = options.canonicalJson ?? false;
 	if (typeof canonicalJson !== 'boolean')
 		throw new TypeError(`canonicalJson must be a boolean, got ${String(canonicalJson)}`);
@@ -1102,6 +1114,22 @@ function createEngine(options) {
 		const key = parsed.key;
 		let requestText;
 		if (fingerprintOf) {
+			/*
+			 * The limit holds here too: a chunked body is read up to limit + 1
+			 * bytes (and put back).  A body a parser already read without
+			 * keeping its bytes was bounded by that parser.
+			 */
+			if (maxBodySize !== Infinity) {
+				let body = null;
+				try {
+					body = await req.rawBody(maxBodySize);
+				} catch (err) {
+					if (!(err instanceof MisconfiguredError))
+						throw err;
+				}
+				if (body === TOO_LARGE)
+					return tooLarge();
+			}
 			requestText = toJsonText(await fingerprintOf(req.original), 'the request fingerprint');
 		} else {
 			let body;
@@ -1775,7 +1803,7 @@ const BODY_TOO_LARGE = Symbol('pg-idempotency.bodyTooLarge');
 async function fastifyIdempotency(fastify, options) {
 	const engine = createEngine(options);
 	const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => m.toUpperCase()));
-	const maxBodySize = options.maxBodySize ?? DEFAULT_MAX_BODY_SIZE;
+	const maxBodySize = bodyLimit(options.maxBodySize);
 
 	if (!fastify.hasRequestDecorator('idempotency'))
 		fastify.decorateRequest('idempotency', null);

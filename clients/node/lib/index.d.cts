@@ -179,8 +179,11 @@ export interface HttpOptions<Req> {
 	 * byte-exact, the stricter promise, and keys stored before stay valid.
 	 */
 	canonicalJson?: boolean;
-	/** Largest request body read for the fingerprint, in bytes; over it: 413, the key unused. Default 1048576. */
-	maxBodySize?: number;
+	/**
+	 * Largest request body of a covered request, in bytes; over it: 413, the key unused
+	 * (also with a fingerprint option). null or 0: no limit. Default 1048576.
+	 */
+	maxBodySize?: number | null;
 	/** Methods covered. Default ['POST', 'PATCH']. */
 	methods?: string[];
 	/** Refuse a covered request without the header (400). Default true. */

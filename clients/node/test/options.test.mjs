@@ -1,11 +1,13 @@
-// Options read at the first claim: the server's
+// Options read at construction and at the first claim: maxBodySize (a
+// limit in bytes; null or 0 none; absent 1 MiB; refused when negative or
+// fractional; enforced with a fingerprint option too) and the server's
 // idempotency.max_response_size with the units PostgreSQL allows.
 import { test, describe, after } from 'node:test';
 import assert from 'node:assert/strict';
 import pg from 'pg';
 import express from 'express';
-import { expressIdempotency } from 'pg-idempotency';
-import { db, newKey, send, listen } from './helpers.mjs';
+import { expressIdempotency, fastifyIdempotency } from 'pg-idempotency';
+import { db, row, newKey, send, exchange, frameworks, listen } from './helpers.mjs';
 
 const pool = new pg.Pool({ max: 6 });
 
@@ -14,12 +16,70 @@ after(async () => {
 	await db.end();
 });
 
+function sendChunked(baseUrl, path, { key, parts }) {
+	return exchange(baseUrl + path, {
+		headers: { 'content-type': 'application/octet-stream', 'idempotency-key': key },
+		parts,
+	});
+}
+
 /* an app with no body parser: the middleware reads every byte itself */
 async function bare(options) {
 	const app = express();
 	app.post('/x', expressIdempotency({ pool, ...options }), (req, res) => res.status(201).json({ bytes: req.rawBody.length }));
 	return listen(app);
 }
+
+describe('maxBodySize', () => {
+	test('null and 0 mean no limit; absent means 1 MiB', async () => {
+		const body = Buffer.alloc(1536 * 1024, 'z');
+		for (const [options, status] of [[{ maxBodySize: null }, 201], [{ maxBodySize: 0 }, 201], [{}, 413]]) {
+			const app = await bare(options);
+			try {
+				const key = newKey();
+				const answer = await send(app.url, '/x', { key, body, type: 'application/octet-stream' });
+				assert.equal(answer.status, status, `${JSON.stringify(options)}: ${answer.text.slice(0, 200)}`);
+				if (status === 201)
+					assert.deepEqual(JSON.parse(answer.text), { bytes: body.length });
+				else
+					assert.equal(await row(key), null);
+			} finally {
+				await app.close();
+			}
+		}
+	});
+
+	test('a negative, fractional or non-number limit fails at construction', async () => {
+		for (const bad of [-1, 1.5, '1000', Number.NaN, Infinity]) {
+			assert.throws(() => expressIdempotency({ pool, maxBodySize: bad }), TypeError, String(bad));
+			const fastify = (await import('fastify')).default();
+			await assert.rejects(fastify.register(fastifyIdempotency, { pool, maxBodySize: bad }).ready(), TypeError, String(bad));
+			await fastify.close();
+		}
+	});
+
+	for (const fw of frameworks) {
+		test(`${fw.name}: with a fingerprint option, a body over the limit is still refused, declared or chunked`, async () => {
+			const app = await fw.start({ pool, maxBodySize: 1000, fingerprint: () => ({ fixed: true }) });
+			try {
+				const declared = newKey();
+				const over = await send(app.url, '/echo', { key: declared, body: Buffer.alloc(1200, 'a'), type: 'application/octet-stream' });
+				assert.equal(over.status, 413, over.text);
+				assert.equal(await row(declared), null);
+				const chunked = newKey();
+				const overChunked = await sendChunked(app.url, '/echo', { key: chunked, parts: [Buffer.alloc(600, 'a'), Buffer.alloc(600, 'b')] });
+				assert.equal(overChunked.status, 413, overChunked.text);
+				assert.equal(await row(chunked), null);
+				const fits = await sendChunked(app.url, '/echo', { key: chunked, parts: [Buffer.alloc(450, 'a'), Buffer.alloc(450, 'b')] });
+				assert.equal(fits.status, 201, fits.text);
+				assert.equal((await row(chunked)).status, 'succeeded');
+				assert.equal(app.control.count(chunked), 1);
+			} finally {
+				await app.close();
+			}
+		});
+	}
+});
 
 /*
  * What pg_settings shows for idempotency.max_response_size: a number of its
