@@ -794,19 +794,20 @@ function repeated() {
 	};
 }
 
-const PROBLEM_TITLES = {
-	'idempotency-key-missing': 'Idempotency-Key header missing',
-	'idempotency-key-malformed': 'Idempotency-Key header malformed',
-	'idempotency-key-repeated': 'Idempotency-Key header repeated',
-	'idempotency-key-too-long': 'Idempotency-Key too long',
-	'idempotency-key-in-use': 'A request with this Idempotency-Key is in progress',
-	'idempotency-key-reused': 'Idempotency-Key reused with a different request',
-	'idempotency-key-lost': 'Idempotency-Key lost to a newer attempt',
-	'idempotency-request-too-large': 'Request body too large',
-	'idempotency-misconfigured': 'Idempotency middleware misconfigured',
-	'idempotency-unavailable': 'Idempotency store briefly unavailable',
-	'idempotency-handler-timeout': 'Request handler timed out',
-};
+/* every problem the HTTP layer answers with: its status and title, by slug */
+const PROBLEMS = Object.freeze(Object.fromEntries(Object.entries({
+	'idempotency-key-missing': [400, 'Idempotency-Key header missing'],
+	'idempotency-key-malformed': [400, 'Idempotency-Key header malformed'],
+	'idempotency-key-repeated': [400, 'Idempotency-Key header repeated'],
+	'idempotency-key-too-long': [400, 'Idempotency-Key too long'],
+	'idempotency-key-in-use': [409, 'A request with this Idempotency-Key is in progress'],
+	'idempotency-key-reused': [422, 'Idempotency-Key reused with a different request'],
+	'idempotency-key-lost': [409, 'Idempotency-Key lost to a newer attempt'],
+	'idempotency-request-too-large': [413, 'Request body too large'],
+	'idempotency-misconfigured': [500, 'Idempotency middleware misconfigured'],
+	'idempotency-unavailable': [503, 'Idempotency store briefly unavailable'],
+	'idempotency-handler-timeout': [504, 'Request handler timed out'],
+}).map(([slug, [status, title]]) => [slug, Object.freeze({ status, title })])));
 
 /*
  * A key returned by the key(req) option: the same limits as the header's
@@ -1005,7 +1006,7 @@ function createEngine(options) {
 
 	function problem(slug, status, detail, extraHeaders = {}) {
 		const body = Buffer.from(JSON.stringify({
-			type: problemBase + slug, title: PROBLEM_TITLES[slug], status, detail,
+			type: problemBase + slug, title: PROBLEMS[slug].title, status, detail,
 		}));
 		return {
 			status,
@@ -1976,4 +1977,5 @@ module.exports = {
 	KeyLostError,
 	MisconfiguredError,
 	MAX_KEY_LENGTH,
+	PROBLEMS,
 };

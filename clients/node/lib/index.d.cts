@@ -283,6 +283,9 @@ export function defaultStorePolicy(status: number, options?: { storeServerErrors
 
 export const MAX_KEY_LENGTH: 255;
 
+/** Every problem the HTTP layer answers with: its status and title, by slug. */
+export const PROBLEMS: Readonly<Record<string, Readonly<{ status: number; title: string }>>>;
+
 // ---------------------------------------------------------------- errors
 
 export class IdempotencyError extends Error {}
