@@ -1234,15 +1234,25 @@ function createEngine(options) {
 		let settled = false;
 		let timedOut = false;
 		/*
-		 * Past handlerTimeout the client gets a 504 and the lease is left to run
-		 * out (no more heartbeats), so a retry may take the key over; the
-		 * fencing token tells the downstream which attempt is newer.
+		 * Past handlerTimeout the client gets a 504.  In autocommit mode the
+		 * lease is left to run out (no more heartbeats), so a retry may take the
+		 * key over; the fencing token tells the downstream which attempt is
+		 * newer.  In transactional mode the transaction's connection is
+		 * destroyed now: the server rolls back the handler's writes and the
+		 * uncommitted claim, so the connection goes back to the pool and the
+		 * key is free at once, as after a thrown error; the late handler's
+		 * statements on it fail, and its answer is dropped.
 		 */
 		const timer = handlerTimeout > 0 ? setTimeout(() => {
 			if (settled)
 				return;
 			timedOut = true;
 			heartbeat?.stop();
+			if (client) {
+				client.release(new IdempotencyError(`the handler of key ${JSON.stringify(key)} ` +
+					`ran past handlerTimeout (${handlerTimeout} s); its transaction is rolled back`));
+				client = null;
+			}
 			controller.abort(new IdempotencyError(`the handler of key ${JSON.stringify(key)} ` +
 				`ran past handlerTimeout (${handlerTimeout} s)`));
 			log(`pg-idempotency: the handler of key ${JSON.stringify(key)} ran past ` +
@@ -1260,12 +1270,10 @@ function createEngine(options) {
 			settled = true;
 			clearTimeout(timer);
 			await heartbeat?.stop();
-			if (timedOut && client) {
-				/* the client was told 504: what the late handler wrote is not committed */
-				await discard(client);
-				client = null;
+			if (timedOut && transactional) {
+				/* the client was told 504 and the transaction is gone: nothing to store */
 				log(`pg-idempotency: the late handler of key ${JSON.stringify(key)} finished; ` +
-					'its transaction was rolled back');
+					'its transaction was rolled back at the timeout and its answer is dropped');
 				return null;
 			}
 			const answer = await store(response);
@@ -1434,7 +1442,7 @@ function createEngine(options) {
 			if (client) {
 				await discard(client);
 				client = null;
-			} else {
+			} else if (!transactional) {
 				await releaseOrLost(pool, key, token, scope).catch(() => {});
 			}
 			log('pg-idempotency: the request ended without a response; key released', err);
@@ -1478,6 +1486,8 @@ async function discard(client) {
 
 const RAW_BODY = Symbol.for('pg-idempotency.rawBody');
 const THREW = Symbol('pg-idempotency.threw');
+/* the engine's attempt of a covered request (Express and Fastify) */
+const ATTEMPT = Symbol('pg-idempotency.attempt');
 
 /*
  * A body parser's verify hook that keeps the raw bytes for the fingerprint:
@@ -1686,6 +1696,7 @@ function expressIdempotency(options) {
 
 		const { context, complete } = started;
 		req.idempotency = context;
+		req[ATTEMPT] = started;
 		const original = { writeHead: res.writeHead, write: res.write, end: res.end };
 		const chunks = [];
 		let ended = false;
@@ -1782,8 +1793,13 @@ function expressIdempotency(options) {
 	 * sends, and a thrown error releases the key even with storeServerErrors.
 	 */
 	middleware.errors = function pgIdempotencyErrors(err, req, res, next) {
-		if (req.idempotency && !res.headersSent)
+		const started = req[ATTEMPT];
+		if (started && !res.headersSent) {
 			req[THREW] = err ?? new Error('the handler failed');
+		} else if (started?.timedOut) {
+			/* the 504 went out and the handler threw later: its attempt ends here, key released */
+			started.abandon(err ?? new Error('the handler failed after its timeout')).catch(() => {});
+		}
 		next(err);
 	};
 	return middleware;
@@ -1791,7 +1807,6 @@ function expressIdempotency(options) {
 
 /* ------------------------------------------------------------------ Fastify */
 
-const ATTEMPT = Symbol('pg-idempotency.attempt');
 const BODY_TOO_LARGE = Symbol('pg-idempotency.bodyTooLarge');
 
 /*
