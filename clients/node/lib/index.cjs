@@ -62,6 +62,7 @@ const SQLSTATE = {
 	serialization: '40001',
 	readOnly: '25006',
 	tooLarge: '54000',
+	aborted: '25P02',
 };
 
 /*
@@ -1164,7 +1165,12 @@ function createEngine(options) {
 				await client.query('BEGIN');
 				claim = (await client.query(CLAIM_SQL,
 					[key, requestText, scope, lease, retention, 0])).rows[0];
-				if (claim.outcome === 'claimed' && failedWrites === 'rollback')
+				/*
+				 * The savepoint after the claim: failedWrites 'rollback' returns
+				 * to it, and so does a failed outcome whose handler left the
+				 * transaction aborted (its writes are lost anyway).
+				 */
+				if (claim.outcome === 'claimed')
 					await client.query('SAVEPOINT idem_handler');
 				if (claim.outcome !== 'claimed') {
 					await client.query('ROLLBACK');
@@ -1340,10 +1346,11 @@ function createEngine(options) {
 			for (const name of storeHeaders)
 				if (headers[name] !== undefined)
 					stored[name] = headerValue(headers[name]);
-			const member = bodyMember(headers['content-type'], body);
-			const full = `{"v":1,"headers":${JSON.stringify(stored)}` +
-				(member === null ? '' : member.json !== undefined
-					? `,"json":${member.json}` : `,"base64":"${member.base64}"`) + '}';
+			let member = bodyMember(headers['content-type'], body);
+			const envelopeOf = (m) => `{"v":1,"headers":${JSON.stringify(stored)}` +
+				(m === null ? '' : m.json !== undefined
+					? `,"json":${m.json}` : `,"base64":"${m.base64}"`) + '}';
+			let full = envelopeOf(member);
 			const withoutBody = () => {
 				const kept = {};
 				for (const name of omittedHeaders)
@@ -1353,39 +1360,66 @@ function createEngine(options) {
 			};
 			const maxResponseSize = info.maxResponseSize;
 			let omitted = Buffer.byteLength(full) > maxResponseSize ? withoutBody() : null;
+			/*
+			 * A refused finish is tried again in another form, never given up
+			 * by releasing the key: the handler ran, and a release would let a
+			 * retry run it again.  Over the size limit (54000): without the
+			 * body.  A JSON body jsonb cannot hold (class 22, e.g. a number
+			 * numeric cannot hold): the handler's bytes as base64.
+			 */
+			const retryForm = (err) => {
+				if (omitted === null && err?.code === SQLSTATE.tooLarge) {
+					omitted = withoutBody();
+					return true;
+				}
+				if (omitted === null && member?.json !== undefined && /^22/.test(String(err?.code))) {
+					member = { base64: body.toString('base64') };
+					full = envelopeOf(member);
+					if (Buffer.byteLength(full) > maxResponseSize)
+						omitted = withoutBody();
+					return true;
+				}
+				return false;
+			};
 			let row;
 			try {
 				if (client) {
-					if (failedWrites === 'rollback' && decision === 'failed')
+					let backToHandler = failedWrites === 'rollback' && decision === 'failed';
+					if (backToHandler)
 						await client.query('ROLLBACK TO SAVEPOINT idem_handler');
-					/*
-					 * jsonb may take more room than its text: near the limit, a
-					 * savepoint lets a refused finish (54000) store the outcome
-					 * without the body instead of losing the transaction.
-					 */
-					const guarded = omitted === null && Buffer.byteLength(full) * 8 > maxResponseSize;
-					if (guarded)
-						await client.query('SAVEPOINT idem_finish');
-					try {
-						row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
-					} catch (err) {
-						if (!guarded || err?.code !== SQLSTATE.tooLarge)
-							throw err;
-						await client.query('ROLLBACK TO SAVEPOINT idem_finish');
-						omitted = withoutBody();
-						row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
+					for (;;) {
+						/* a savepoint per try, so that a refused finish leaves the transaction usable */
+						try {
+							await client.query('SAVEPOINT idem_finish');
+						} catch (err) {
+							/* a failed statement of the handler aborted it: a failed outcome is still stored */
+							if (err?.code !== SQLSTATE.aborted || decision !== 'failed' || backToHandler)
+								throw err;
+							backToHandler = true;
+							await client.query('ROLLBACK TO SAVEPOINT idem_handler');
+							continue;
+						}
+						try {
+							row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
+							break;
+						} catch (err) {
+							if (!retryForm(err))
+								throw err;
+							await client.query('ROLLBACK TO SAVEPOINT idem_finish');
+						}
 					}
 					await client.query('COMMIT');
 					client.release();
 					client = null;
 				} else {
-					try {
-						row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
-					} catch (err) {
-						if (omitted !== null || err?.code !== SQLSTATE.tooLarge)
-							throw err;
-						omitted = withoutBody();
-						row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
+					for (;;) {
+						try {
+							row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
+							break;
+						} catch (err) {
+							if (!retryForm(err))
+								throw err;
+						}
 					}
 				}
 			} catch (err) {
@@ -1398,10 +1432,23 @@ function createEngine(options) {
 						'the result was not stored', err);
 					return lostKey();
 				}
-				log('pg-idempotency: the result could not be stored', err);
-				if (!transactional)
-					await releaseOrLost(pool, key, token, scope).catch(() => {});
-				return unavailable();
+				/*
+				 * Not released: the handler ran.  In autocommit mode the claim
+				 * stays with this attempt until its lease ends (the heartbeat is
+				 * stopped), then a retry takes the key over; in transactional
+				 * mode the rollback took the handler's writes with the claim.
+				 */
+				if (isUnavailable(err) || (transactional && err?.code === SQLSTATE.aborted)) {
+					log(`pg-idempotency: the result of key ${JSON.stringify(key)} could not be stored; ` +
+						(transactional ? 'the transaction was rolled back'
+							: 'the key is not released: a retry takes it over when its lease ends'), err);
+					return unavailable();
+				}
+				const code = err?.code;
+				return misconfigured(code === '42501' || code === '42883' || code === '3F000'
+					? misconfigurationDetail(err, info.database)
+					: `Storing the result failed with ${code ?? 'an error'} (${String(err?.message ?? err)}); ` +
+						'retrying does not help: check the database and the idempotency extension.', err);
 			}
 			if (omitted !== null) {
 				/* this client gets the whole response; retries get its status and headers */
