@@ -62,6 +62,7 @@ const SQLSTATE = {
 	serialization: '40001',
 	readOnly: '25006',
 	tooLarge: '54000',
+	aborted: '25P02',
 };
 
 /*
@@ -140,7 +141,9 @@ const ENVIRONMENT_SQL = `
 SELECT pg_catalog.current_database() AS database,
        (SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'idempotency') AS version,
        (SELECT setting FROM pg_catalog.pg_settings
-         WHERE name = 'idempotency.max_response_size') AS max_response_size`;
+         WHERE name = 'idempotency.max_response_size') AS max_response_size,
+       (SELECT unit FROM pg_catalog.pg_settings
+         WHERE name = 'idempotency.max_response_size') AS max_response_size_unit`;
 
 const EXTEND_SQL = `
 SELECT idempotency.idem_extend(key => $1, token => $2::bigint,
@@ -272,6 +275,38 @@ function versionBefore(a, b) {
 	return false;
 }
 
+/* PostgreSQL's memory units (guc.c): powers of 1024, case-sensitive */
+const MEMORY_UNITS = { B: 1, kB: 1024, MB: 1024 ** 2, GB: 1024 ** 3, TB: 1024 ** 4 };
+
+/*
+ * A memory setting of pg_settings in bytes.  With the library loaded in the
+ * session, `setting` is a number of `unit` (B, kB, 8kB, ...); before it is
+ * loaded, the variable is a placeholder whose `setting` is the text as
+ * written ("2MB", "512 kB") and `unit` is null.  Anything else is not a
+ * size this client can trust: the fallback.
+ */
+function parseMemorySetting(setting, unit, fallback) {
+	if (setting === null || setting === undefined)
+		return fallback;
+	const m = /^\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*$/.exec(String(setting));
+	if (m === null)
+		return fallback;
+	let factor;
+	if (m[2] !== '') {
+		factor = MEMORY_UNITS[m[2]];
+	} else if (unit === null || unit === undefined || unit === '') {
+		factor = 1;
+	} else {
+		const u = /^(\d*)([A-Za-z]+)$/.exec(String(unit));
+		factor = u === null || MEMORY_UNITS[u[2]] === undefined ? undefined
+			: (u[1] === '' ? 1 : Number(u[1])) * MEMORY_UNITS[u[2]];
+	}
+	if (factor === undefined)
+		return fallback;
+	const bytes = Math.round(Number(m[1]) * factor);
+	return Number.isSafeInteger(bytes) ? bytes : fallback;
+}
+
 /*
  * Read once per pool, at its first claim: the database's name, the
  * extension's version (absent or too old: MisconfiguredError) and
@@ -293,11 +328,11 @@ function poolInfo(pool, log) {
 	if (pending === undefined) {
 		pending = (async () => {
 			const { rows } = await pool.query(ENVIRONMENT_SQL);
-			const { database, version, max_response_size: max } = rows[0];
+			const { database, version, max_response_size: max, max_response_size_unit: unit } = rows[0];
 			if (version === null || version === undefined)
 				throw new MisconfiguredError(notInstalled(database));
 			requireVersion({ database, version }, MIN_EXTENSION_VERSION, '');
-			const maxResponseSize = max === null || max === undefined ? DEFAULT_MAX_RESPONSE_SIZE : Number(max);
+			const maxResponseSize = parseMemorySetting(max, unit, DEFAULT_MAX_RESPONSE_SIZE);
 			log(`pg-idempotency: database ${JSON.stringify(database)}, idempotency extension ${version}; ` +
 				`responses over ${maxResponseSize} bytes are stored without their body`);
 			return { database, version, maxResponseSize };
@@ -760,19 +795,20 @@ function repeated() {
 	};
 }
 
-const PROBLEM_TITLES = {
-	'idempotency-key-missing': 'Idempotency-Key header missing',
-	'idempotency-key-malformed': 'Idempotency-Key header malformed',
-	'idempotency-key-repeated': 'Idempotency-Key header repeated',
-	'idempotency-key-too-long': 'Idempotency-Key too long',
-	'idempotency-key-in-use': 'A request with this Idempotency-Key is in progress',
-	'idempotency-key-reused': 'Idempotency-Key reused with a different request',
-	'idempotency-key-lost': 'Idempotency-Key lost to a newer attempt',
-	'idempotency-request-too-large': 'Request body too large',
-	'idempotency-misconfigured': 'Idempotency middleware misconfigured',
-	'idempotency-unavailable': 'Idempotency store briefly unavailable',
-	'idempotency-handler-timeout': 'Request handler timed out',
-};
+/* every problem the HTTP layer answers with: its status and title, by slug */
+const PROBLEMS = Object.freeze(Object.fromEntries(Object.entries({
+	'idempotency-key-missing': [400, 'Idempotency-Key header missing'],
+	'idempotency-key-malformed': [400, 'Idempotency-Key header malformed'],
+	'idempotency-key-repeated': [400, 'Idempotency-Key header repeated'],
+	'idempotency-key-too-long': [400, 'Idempotency-Key too long'],
+	'idempotency-key-in-use': [409, 'A request with this Idempotency-Key is in progress'],
+	'idempotency-key-reused': [422, 'Idempotency-Key reused with a different request'],
+	'idempotency-key-lost': [409, 'Idempotency-Key lost to a newer attempt'],
+	'idempotency-request-too-large': [413, 'Request body too large'],
+	'idempotency-misconfigured': [500, 'Idempotency middleware misconfigured'],
+	'idempotency-unavailable': [503, 'Idempotency store briefly unavailable'],
+	'idempotency-handler-timeout': [504, 'Request handler timed out'],
+}).map(([slug, [status, title]]) => [slug, Object.freeze({ status, title })])));
 
 /*
  * A key returned by the key(req) option: the same limits as the header's
@@ -797,10 +833,14 @@ function checkCustomKey(value) {
 /* -------------------------------------------------------------- HTTP engine */
 
 /*
- * Stripe's documented behaviour: what a status means for the key.  A 304
- * answers a conditional request of one client and is never replayed to
- * another; a 5xx says nothing about the request unless the application
- * wants it kept (storeServerErrors).
+ * What a status means for the key: a 2xx or 3xx is the operation's outcome
+ * and is kept; a 4xx says the request itself is wrong, so a retry of the same
+ * request gets the same answer and it is kept too.  A 5xx says nothing about
+ * the request (the server failed, perhaps before doing anything), so the key
+ * is released and a retry runs the request again, unless the application
+ * knows its 5xx are final (storeServerErrors).  408, 409, 425 and 429 say
+ * "not now", which a retry may change: released.  A 304 answers the
+ * conditional request of one client and means nothing to another: released.
  */
 function defaultStorePolicy(status, { storeServerErrors = false } = {}) {
 	if (status >= 500)
@@ -899,6 +939,20 @@ function createCache(max) {
 	};
 }
 
+/*
+ * maxBodySize: bytes; null or 0 lifts the limit (Infinity here), absent is
+ * the default.  A bad value fails at construction, not at the first request.
+ */
+function bodyLimit(value) {
+	if (value === undefined)
+		return DEFAULT_MAX_BODY_SIZE;
+	if (value === null || value === 0)
+		return Infinity;
+	if (!Number.isSafeInteger(value) || value < 0)
+		throw new TypeError(`maxBodySize must be a whole number of bytes (0 or null: no limit), got ${String(value)}`);
+	return value;
+}
+
 /* the request body was over maxBodySize: what a rawBody() reader returns then */
 const TOO_LARGE = Symbol('pg-idempotency.tooLarge');
 
@@ -929,9 +983,7 @@ function createEngine(options) {
 	const retryAfterMax = Math.max(1, Math.floor(positiveSeconds(options.retryAfterMax, 'retryAfterMax', DEFAULT_RETRY_AFTER_MAX)));
 	const handlerTimeout = options.handlerTimeout === 0 || options.handlerTimeout === null ? 0
 		: positiveSeconds(options.handlerTimeout, 'handlerTimeout', DEFAULT_HANDLER_TIMEOUT);
-	const maxBodySize = options.maxBodySize ?? DEFAULT_MAX_BODY_SIZE;
-	if (!Number.isSafeInteger(maxBodySize) || maxBodySize < 0)
-		throw new TypeError(`maxBodySize must be a number of bytes, got ${String(options.maxBodySize)}`);
+	const maxBodySize = bodyLimit(options.maxBodySize);
 	const canonicalJson = options.canonicalJson ?? false;
 	if (typeof canonicalJson !== 'boolean')
 		throw new TypeError(`canonicalJson must be a boolean, got ${String(canonicalJson)}`);
@@ -955,7 +1007,7 @@ function createEngine(options) {
 
 	function problem(slug, status, detail, extraHeaders = {}) {
 		const body = Buffer.from(JSON.stringify({
-			type: problemBase + slug, title: PROBLEM_TITLES[slug], status, detail,
+			type: problemBase + slug, title: PROBLEMS[slug].title, status, detail,
 		}));
 		return {
 			status,
@@ -1064,6 +1116,22 @@ function createEngine(options) {
 		const key = parsed.key;
 		let requestText;
 		if (fingerprintOf) {
+			/*
+			 * The limit holds here too: a chunked body is read up to limit + 1
+			 * bytes (and put back).  A body a parser already read without
+			 * keeping its bytes was bounded by that parser.
+			 */
+			if (maxBodySize !== Infinity) {
+				let body = null;
+				try {
+					body = await req.rawBody(maxBodySize);
+				} catch (err) {
+					if (!(err instanceof MisconfiguredError))
+						throw err;
+				}
+				if (body === TOO_LARGE)
+					return tooLarge();
+			}
 			requestText = toJsonText(await fingerprintOf(req.original), 'the request fingerprint');
 		} else {
 			let body;
@@ -1097,7 +1165,12 @@ function createEngine(options) {
 				await client.query('BEGIN');
 				claim = (await client.query(CLAIM_SQL,
 					[key, requestText, scope, lease, retention, 0])).rows[0];
-				if (claim.outcome === 'claimed' && failedWrites === 'rollback')
+				/*
+				 * The savepoint after the claim: failedWrites 'rollback' returns
+				 * to it, and so does a failed outcome whose handler left the
+				 * transaction aborted (its writes are lost anyway).
+				 */
+				if (claim.outcome === 'claimed')
 					await client.query('SAVEPOINT idem_handler');
 				if (claim.outcome !== 'claimed') {
 					await client.query('ROLLBACK');
@@ -1167,15 +1240,25 @@ function createEngine(options) {
 		let settled = false;
 		let timedOut = false;
 		/*
-		 * Past handlerTimeout the client gets a 504 and the lease is left to run
-		 * out (no more heartbeats), so a retry may take the key over; the
-		 * fencing token tells the downstream which attempt is newer.
+		 * Past handlerTimeout the client gets a 504.  In autocommit mode the
+		 * lease is left to run out (no more heartbeats), so a retry may take the
+		 * key over; the fencing token tells the downstream which attempt is
+		 * newer.  In transactional mode the transaction's connection is
+		 * destroyed now: the server rolls back the handler's writes and the
+		 * uncommitted claim, so the connection goes back to the pool and the
+		 * key is free at once, as after a thrown error; the late handler's
+		 * statements on it fail, and its answer is dropped.
 		 */
 		const timer = handlerTimeout > 0 ? setTimeout(() => {
 			if (settled)
 				return;
 			timedOut = true;
 			heartbeat?.stop();
+			if (client) {
+				client.release(new IdempotencyError(`the handler of key ${JSON.stringify(key)} ` +
+					`ran past handlerTimeout (${handlerTimeout} s); its transaction is rolled back`));
+				client = null;
+			}
 			controller.abort(new IdempotencyError(`the handler of key ${JSON.stringify(key)} ` +
 				`ran past handlerTimeout (${handlerTimeout} s)`));
 			log(`pg-idempotency: the handler of key ${JSON.stringify(key)} ran past ` +
@@ -1193,12 +1276,10 @@ function createEngine(options) {
 			settled = true;
 			clearTimeout(timer);
 			await heartbeat?.stop();
-			if (timedOut && client) {
-				/* the client was told 504: what the late handler wrote is not committed */
-				await discard(client);
-				client = null;
+			if (timedOut && transactional) {
+				/* the client was told 504 and the transaction is gone: nothing to store */
 				log(`pg-idempotency: the late handler of key ${JSON.stringify(key)} finished; ` +
-					'its transaction was rolled back');
+					'its transaction was rolled back at the timeout and its answer is dropped');
 				return null;
 			}
 			const answer = await store(response);
@@ -1265,10 +1346,11 @@ function createEngine(options) {
 			for (const name of storeHeaders)
 				if (headers[name] !== undefined)
 					stored[name] = headerValue(headers[name]);
-			const member = bodyMember(headers['content-type'], body);
-			const full = `{"v":1,"headers":${JSON.stringify(stored)}` +
-				(member === null ? '' : member.json !== undefined
-					? `,"json":${member.json}` : `,"base64":"${member.base64}"`) + '}';
+			let member = bodyMember(headers['content-type'], body);
+			const envelopeOf = (m) => `{"v":1,"headers":${JSON.stringify(stored)}` +
+				(m === null ? '' : m.json !== undefined
+					? `,"json":${m.json}` : `,"base64":"${m.base64}"`) + '}';
+			let full = envelopeOf(member);
 			const withoutBody = () => {
 				const kept = {};
 				for (const name of omittedHeaders)
@@ -1278,39 +1360,66 @@ function createEngine(options) {
 			};
 			const maxResponseSize = info.maxResponseSize;
 			let omitted = Buffer.byteLength(full) > maxResponseSize ? withoutBody() : null;
+			/*
+			 * A refused finish is tried again in another form, never given up
+			 * by releasing the key: the handler ran, and a release would let a
+			 * retry run it again.  Over the size limit (54000): without the
+			 * body.  A JSON body jsonb cannot hold (class 22, e.g. a number
+			 * numeric cannot hold): the handler's bytes as base64.
+			 */
+			const retryForm = (err) => {
+				if (omitted === null && err?.code === SQLSTATE.tooLarge) {
+					omitted = withoutBody();
+					return true;
+				}
+				if (omitted === null && member?.json !== undefined && /^22/.test(String(err?.code))) {
+					member = { base64: body.toString('base64') };
+					full = envelopeOf(member);
+					if (Buffer.byteLength(full) > maxResponseSize)
+						omitted = withoutBody();
+					return true;
+				}
+				return false;
+			};
 			let row;
 			try {
 				if (client) {
-					if (failedWrites === 'rollback' && decision === 'failed')
+					let backToHandler = failedWrites === 'rollback' && decision === 'failed';
+					if (backToHandler)
 						await client.query('ROLLBACK TO SAVEPOINT idem_handler');
-					/*
-					 * jsonb may take more room than its text: near the limit, a
-					 * savepoint lets a refused finish (54000) store the outcome
-					 * without the body instead of losing the transaction.
-					 */
-					const guarded = omitted === null && Buffer.byteLength(full) * 8 > maxResponseSize;
-					if (guarded)
-						await client.query('SAVEPOINT idem_finish');
-					try {
-						row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
-					} catch (err) {
-						if (!guarded || err?.code !== SQLSTATE.tooLarge)
-							throw err;
-						await client.query('ROLLBACK TO SAVEPOINT idem_finish');
-						omitted = withoutBody();
-						row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
+					for (;;) {
+						/* a savepoint per try, so that a refused finish leaves the transaction usable */
+						try {
+							await client.query('SAVEPOINT idem_finish');
+						} catch (err) {
+							/* a failed statement of the handler aborted it: a failed outcome is still stored */
+							if (err?.code !== SQLSTATE.aborted || decision !== 'failed' || backToHandler)
+								throw err;
+							backToHandler = true;
+							await client.query('ROLLBACK TO SAVEPOINT idem_handler');
+							continue;
+						}
+						try {
+							row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
+							break;
+						} catch (err) {
+							if (!retryForm(err))
+								throw err;
+							await client.query('ROLLBACK TO SAVEPOINT idem_finish');
+						}
 					}
 					await client.query('COMMIT');
 					client.release();
 					client = null;
 				} else {
-					try {
-						row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
-					} catch (err) {
-						if (omitted !== null || err?.code !== SQLSTATE.tooLarge)
-							throw err;
-						omitted = withoutBody();
-						row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
+					for (;;) {
+						try {
+							row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
+							break;
+						} catch (err) {
+							if (!retryForm(err))
+								throw err;
+						}
 					}
 				}
 			} catch (err) {
@@ -1323,10 +1432,23 @@ function createEngine(options) {
 						'the result was not stored', err);
 					return lostKey();
 				}
-				log('pg-idempotency: the result could not be stored', err);
-				if (!transactional)
-					await releaseOrLost(pool, key, token, scope).catch(() => {});
-				return unavailable();
+				/*
+				 * Not released: the handler ran.  In autocommit mode the claim
+				 * stays with this attempt until its lease ends (the heartbeat is
+				 * stopped), then a retry takes the key over; in transactional
+				 * mode the rollback took the handler's writes with the claim.
+				 */
+				if (isUnavailable(err) || (transactional && err?.code === SQLSTATE.aborted)) {
+					log(`pg-idempotency: the result of key ${JSON.stringify(key)} could not be stored; ` +
+						(transactional ? 'the transaction was rolled back'
+							: 'the key is not released: a retry takes it over when its lease ends'), err);
+					return unavailable();
+				}
+				const code = err?.code;
+				return misconfigured(code === '42501' || code === '42883' || code === '3F000'
+					? misconfigurationDetail(err, info.database)
+					: `Storing the result failed with ${code ?? 'an error'} (${String(err?.message ?? err)}); ` +
+						'retrying does not help: check the database and the idempotency extension.', err);
 			}
 			if (omitted !== null) {
 				/* this client gets the whole response; retries get its status and headers */
@@ -1367,7 +1489,7 @@ function createEngine(options) {
 			if (client) {
 				await discard(client);
 				client = null;
-			} else {
+			} else if (!transactional) {
 				await releaseOrLost(pool, key, token, scope).catch(() => {});
 			}
 			log('pg-idempotency: the request ended without a response; key released', err);
@@ -1411,6 +1533,8 @@ async function discard(client) {
 
 const RAW_BODY = Symbol.for('pg-idempotency.rawBody');
 const THREW = Symbol('pg-idempotency.threw');
+/* the engine's attempt of a covered request (Express and Fastify) */
+const ATTEMPT = Symbol('pg-idempotency.attempt');
 
 /*
  * A body parser's verify hook that keeps the raw bytes for the fingerprint:
@@ -1437,10 +1561,20 @@ function readStream(stream) {
  */
 function peekBody(req, limit) {
 	return new Promise((resolve, reject) => {
+		/*
+		 * An empty body that ended before anyone listened (an await came
+		 * first: a key(req) option, an async middleware) emits no 'readable'
+		 * any more: it is empty, and nothing needs to be put back.
+		 */
+		if (req.complete && req.readableLength === 0) {
+			resolve(Buffer.alloc(0));
+			return;
+		}
 		const chunks = [];
 		let size = 0;
 		const finish = (value, err) => {
 			req.off('readable', onReadable);
+			req.off('end', onEnd);
 			req.off('error', onError);
 			req.off('close', onClose);
 			if (err)
@@ -1467,6 +1601,10 @@ function peekBody(req, limit) {
 				finish(body);
 			}
 		}
+		/* the stream ended under us: what was read is the body, nothing is left to put back */
+		function onEnd() {
+			finish(Buffer.concat(chunks));
+		}
 		function onError(err) {
 			finish(undefined, err);
 		}
@@ -1475,6 +1613,7 @@ function peekBody(req, limit) {
 				finish(undefined, new IdempotencyError('the request was aborted while its body was read'));
 		}
 		req.on('readable', onReadable);
+		req.on('end', onEnd);
 		req.on('error', onError);
 		req.on('close', onClose);
 	});
@@ -1604,6 +1743,7 @@ function expressIdempotency(options) {
 
 		const { context, complete } = started;
 		req.idempotency = context;
+		req[ATTEMPT] = started;
 		const original = { writeHead: res.writeHead, write: res.write, end: res.end };
 		const chunks = [];
 		let ended = false;
@@ -1700,8 +1840,13 @@ function expressIdempotency(options) {
 	 * sends, and a thrown error releases the key even with storeServerErrors.
 	 */
 	middleware.errors = function pgIdempotencyErrors(err, req, res, next) {
-		if (req.idempotency && !res.headersSent)
+		const started = req[ATTEMPT];
+		if (started && !res.headersSent) {
 			req[THREW] = err ?? new Error('the handler failed');
+		} else if (started?.timedOut) {
+			/* the 504 went out and the handler threw later: its attempt ends here, key released */
+			started.abandon(err ?? new Error('the handler failed after its timeout')).catch(() => {});
+		}
 		next(err);
 	};
 	return middleware;
@@ -1709,7 +1854,6 @@ function expressIdempotency(options) {
 
 /* ------------------------------------------------------------------ Fastify */
 
-const ATTEMPT = Symbol('pg-idempotency.attempt');
 const BODY_TOO_LARGE = Symbol('pg-idempotency.bodyTooLarge');
 
 /*
@@ -1722,7 +1866,7 @@ const BODY_TOO_LARGE = Symbol('pg-idempotency.bodyTooLarge');
 async function fastifyIdempotency(fastify, options) {
 	const engine = createEngine(options);
 	const methods = new Set((options.methods ?? ['POST', 'PATCH']).map((m) => m.toUpperCase()));
-	const maxBodySize = options.maxBodySize ?? DEFAULT_MAX_BODY_SIZE;
+	const maxBodySize = bodyLimit(options.maxBodySize);
 
 	if (!fastify.hasRequestDecorator('idempotency'))
 		fastify.decorateRequest('idempotency', null);
@@ -1895,4 +2039,5 @@ module.exports = {
 	KeyLostError,
 	MisconfiguredError,
 	MAX_KEY_LENGTH,
+	PROBLEMS,
 };

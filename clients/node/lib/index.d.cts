@@ -179,8 +179,11 @@ export interface HttpOptions<Req> {
 	 * byte-exact, the stricter promise, and keys stored before stay valid.
 	 */
 	canonicalJson?: boolean;
-	/** Largest request body read for the fingerprint, in bytes; over it: 413, the key unused. Default 1048576. */
-	maxBodySize?: number;
+	/**
+	 * Largest request body of a covered request, in bytes; over it: 413, the key unused
+	 * (also with a fingerprint option). null or 0: no limit. Default 1048576.
+	 */
+	maxBodySize?: number | null;
 	/** Methods covered. Default ['POST', 'PATCH']. */
 	methods?: string[];
 	/** Refuse a covered request without the header (400). Default true. */
@@ -279,6 +282,9 @@ export function parseIdempotencyKey(values: string | string[] | undefined): Pars
 export function defaultStorePolicy(status: number, options?: { storeServerErrors?: boolean }): StoreDecision;
 
 export const MAX_KEY_LENGTH: 255;
+
+/** Every problem the HTTP layer answers with: its status and title, by slug. */
+export const PROBLEMS: Readonly<Record<string, Readonly<{ status: number; title: string }>>>;
 
 // ---------------------------------------------------------------- errors
 

@@ -19,4 +19,5 @@ export const {
 	KeyLostError,
 	MisconfiguredError,
 	MAX_KEY_LENGTH,
+	PROBLEMS,
 } = cjs;

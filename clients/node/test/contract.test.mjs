@@ -8,7 +8,7 @@ import { readFileSync } from 'node:fs';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
 import Fastify from 'fastify';
-import { expressIdempotency, fastifyIdempotency, idempotencyContext } from 'pg-idempotency';
+import { expressIdempotency, fastifyIdempotency, idempotencyContext, PROBLEMS } from 'pg-idempotency';
 import { db, deferred, exchange, expresses, listen } from './helpers.mjs';
 
 const contractPath = process.env.IDEM_CONTRACT ?? new URL('../../contract/http.json', import.meta.url);
@@ -153,6 +153,11 @@ function check(answer, expect, runs, where) {
 test('the contract names every problem the middleware answers with', () => {
 	assert.ok(Object.keys(contract.problems).length >= 11);
 	assert.ok(contract.cases.length > 20);
+});
+
+test("the library's problem table is the contract's: every slug, status and title", () => {
+	const library = Object.fromEntries(Object.entries(PROBLEMS).map(([slug, p]) => [slug, { status: p.status, title: p.title }]));
+	assert.deepEqual(library, contract.problems);
 });
 
 for (const target of targets) {

@@ -148,6 +148,29 @@ export function createControl() {
 			await ctx.client.query('INSERT INTO test_orders (request_key, note) VALUES ($1, $2)', [ctx.key, req.query.code]);
 			return { status: Number(req.query.code), json: { status: Number(req.query.code) } };
 		},
+		'/huge-number': async () => ({
+			status: 201, headers: { 'content-type': 'application/json' }, bytes: Buffer.from('{"n": 1e1000000}'),
+		}),
+		'/tx-huge-number': async (ctx) => {
+			await ctx.client.query('INSERT INTO test_orders (request_key, note) VALUES ($1, $2)', [ctx.key, 'huge']);
+			return { status: 201, headers: { 'content-type': 'application/json' }, bytes: Buffer.from('{"n": 1e1000000}') };
+		},
+		/* a second insert of the same key fails (23505); the handler catches it and answers 422 */
+		'/tx-duplicate': async (ctx) => {
+			await ctx.client.query('INSERT INTO test_unique (k) VALUES ($1)', [ctx.key]);
+			try {
+				await ctx.client.query('INSERT INTO test_unique (k) VALUES ($1)', [ctx.key]);
+			} catch (err) {
+				return { status: 422, json: { error: 'duplicate', code: err.code } };
+			}
+			return { status: 201, json: { inserted: true } };
+		},
+		'/slow-throw': async (ctx) => {
+			const g = control.gates.get(ctx.key);
+			g.entered.resolve(ctx);
+			await g.release.promise;
+			throw new Error('late failure');
+		},
 		'/tx': async (ctx, req) => {
 			await ctx.client.query('INSERT INTO test_orders (request_key, note) VALUES ($1, $2)', [ctx.key, req.body?.note ?? null]);
 			const g = control.gates.get(ctx.key);
@@ -168,11 +191,14 @@ function count(control, ctx) {
 		control.runs.set(ctx.key, control.count(ctx.key) + 1);
 }
 
+/** The routes that run in one transaction (the middleware's transactional mode). */
+const TRANSACTIONAL = ['/tx', '/tx-status', '/tx-big', '/tx-huge-number', '/tx-duplicate'];
+
 /** The Express majors the middleware supports, by name. */
 export const expresses = { express5: express, express4 };
 
 /** Express app over real HTTP (Express 5 unless `major` says express4). */
-export async function startExpress(options, { transactional = ['/tx', '/tx-status', '/tx-big'], major = 'express5' } = {}) {
+export async function startExpress(options, { transactional = TRANSACTIONAL, major = 'express5' } = {}) {
 	const { control, routes } = createControl();
 	const app = expresses[major]();
 	app.disable('x-powered-by');
@@ -218,7 +244,7 @@ export async function listen(app) {
 }
 
 /** Fastify app over real HTTP. */
-export async function startFastify(options, { transactional = ['/tx', '/tx-status', '/tx-big'] } = {}) {
+export async function startFastify(options, { transactional = TRANSACTIONAL } = {}) {
 	const { control, routes } = createControl();
 	const app = Fastify();
 	app.addContentTypeParser('application/octet-stream', { parseAs: 'buffer' }, (req, body, done) => done(null, body));

@@ -67,3 +67,49 @@ for (const major of Object.keys(expresses)) {
 		}
 	});
 }
+
+/*
+ * An empty body has ended by the time the middleware reads it when anything
+ * awaited first: an async key(req), an async middleware in front.  The
+ * request still gets its answer (the signal only bounds a failure).
+ */
+for (const major of Object.keys(expresses)) {
+	describe(`${major}: an empty body that ended before the middleware read it`, () => {
+		const ways = {
+			'key(req) option, parser after the middleware': (express) => {
+				const app = express();
+				app.use(expressIdempotency({ pool, key: async (req) => req.headers['x-message-id'] ?? null }));
+				app.use(express.json());
+				return app;
+			},
+			'an async middleware before it': (express) => {
+				const app = express();
+				app.use(async (req, res, next) => {
+					await db.query('SELECT 1');
+					next();
+				});
+				app.use(expressIdempotency({ pool, key: (req) => req.headers['x-message-id'] ?? null }));
+				return app;
+			},
+		};
+		for (const [name, build] of Object.entries(ways)) {
+			test(name, async () => {
+				const app = build(expresses[major]);
+				app.post('/x', (req, res) => res.status(201).json({ attempt: req.idempotency?.attempt, bytes: req.rawBody?.length }));
+				const server = await listen(app);
+				try {
+					const id = newKey('msg');
+					const opts = { body: '', headers: { 'x-message-id': id }, signal: AbortSignal.timeout(10000) };
+					const first = await send(server.url, '/x', opts);
+					assert.equal(first.status, 201, first.text);
+					assert.deepEqual(JSON.parse(first.text), { attempt: 1, bytes: 0 });
+					assert.equal((await row(id)).status, 'succeeded');
+					const again = await send(server.url, '/x', { ...opts, signal: AbortSignal.timeout(10000) });
+					assert.equal(again.headers['idempotent-replayed'], 'true');
+				} finally {
+					await server.close();
+				}
+			});
+		}
+	});
+}
