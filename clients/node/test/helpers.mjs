@@ -52,7 +52,8 @@ export async function waitFor(check, what, timeoutMs = 30000) {
  */
 export function recordingPool(pool) {
 	const log = [];
-	const kindOf = (sql) => /idem_(claim|finish|extend|release|lookup)/.exec(sql)?.[1] ?? 'other';
+	/* the function call, not a savepoint or anything else that shares its name */
+	const kindOf = (sql) => /idempotency\.idem_(claim|finish|extend|release|lookup)\(/.exec(sql)?.[1] ?? 'other';
 	const wrap = async (runner, sql, params) => {
 		const kind = kindOf(sql);
 		const entry = { kind, pid: null, ok: false };
