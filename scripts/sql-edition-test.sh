@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# scripts/sql-edition-test.sh MODE [PG_CONFIG]: run the pg_regress suite
+# (the Makefile's REGRESS list, the repository's expected/ files) against
+# the SQL edition, in a throwaway cluster of a PostgreSQL where the C
+# edition is not installed.
+#
+#   MODE plain   the plain installer, run into the test database
+#   MODE pgtle   pg_tle preloaded, CREATE EXTENSION pg_tle, the pg_tle
+#                installer, CREATE EXTENSION idempotency (pg_tle is built
+#                into that PostgreSQL by scripts/build-pgtle.sh when needed)
+#
+#   scripts/sql-edition-test.sh plain /opt/sqled17/bin/pg_config
+#
+# PG_CONFIG defaults to the first pg_config in PATH.  The cluster listens
+# on IDEM_SQLED_PORT (default 55541) and lives in a temporary directory,
+# removed at exit (kept, with the results and diffs, when KEEP=1).  Tests
+# that exercise what the SQL edition cannot have are skipped with their
+# reason (the list below); a test may also name only a subset with
+# TESTS="claim finish".  Prints pg_regress's summary and "N of M passed".
+#
+# Exit status: 0 every test that ran passed; 1 some failed; 2 usage or
+# setup failure; 3 pg_tle is not available (pgtle mode).
+set -euo pipefail
+
+mode=${1:-}
+[[ $mode == plain || $mode == pgtle ]] || { echo "usage: scripts/sql-edition-test.sh plain|pgtle [PG_CONFIG]" >&2; exit 2; }
+pg_config=${2:-$(command -v pg_config || true)}
+[[ -x $pg_config ]] || { echo "sql-edition-test: no pg_config" >&2; exit 2; }
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+port=${IDEM_SQLED_PORT:-55541}
+bindir=$("$pg_config" --bindir)
+sharedir=$("$pg_config" --sharedir)
+pkglibdir=$("$pg_config" --pkglibdir)
+
+if [[ -e $sharedir/extension/idempotency.control || -e $pkglibdir/idempotency.so ]]; then
+	echo "sql-edition-test: the C edition is installed in $bindir/..; use a PostgreSQL without it" >&2
+	exit 2
+fi
+
+# Tests of what only the C edition has, by the differences the SQL
+# edition is allowed (sql-edition/README.md).
+declare -A skip=(
+	[gucs]="the settings are defined by the C library (placeholders without it)"
+	[reinstall]="DROP/CREATE EXTENSION of the C edition's control file"
+	[stats]="call counters need the C library's shared memory (NULL in the SQL edition)"
+	[tampered]="checks of a damaged catalog are made by the C library"
+	[not_null]="checks of a damaged catalog are made by the C library"
+	[citus_absent]="Citus delegation needs the C edition"
+)
+if [[ $mode == plain ]]; then
+	skip[version]="the plain installer creates no extension (pg_extension has no row)"
+	skip[tenant_cache]="needs dblink, which the plain mode does not install"
+fi
+
+if [[ $mode == pgtle ]]; then
+	rc=0
+	"$root/scripts/build-pgtle.sh" "$pg_config" >/dev/null || rc=$?
+	if ((rc == 3)); then
+		echo "pg_tle tests skipped: pg_tle is not available"
+		exit 3
+	fi
+	((rc == 0)) || exit 2
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/sql-edition-test.XXXXXX")
+chmod 755 "$work"
+export PG_BIN=$bindir
+# shellcheck source=scripts/cluster.sh
+source "$root/scripts/cluster.sh"
+cleanup() {
+	cluster_stop "$work/cluster" >/dev/null 2>&1 || true
+	if [[ ${KEEP:-0} == 1 ]]; then
+		echo "kept $work"
+	else
+		rm -rf "$work"
+	fi
+}
+trap cleanup EXIT
+
+"$root/scripts/sql-edition.sh" "$work/dist" >/dev/null
+mkdir -p "$work/cluster"
+chown -R "${PG_OS_USER:-postgres}": "$work"
+conf=("idempotency.sweep_interval = 0")
+[[ $mode == pgtle ]] && conf+=("shared_preload_libraries = 'pg_tle'")
+cluster_start "$work/cluster" "$port" "${conf[@]}" >/dev/null
+host=$(cluster_host "$work/cluster")
+db=contrib_regression
+cluster_psql "$work/cluster" -q -c "CREATE DATABASE $db" >/dev/null
+if [[ $mode == plain ]]; then
+	cluster_psql "$work/cluster" -d "$db" -q -v ON_ERROR_STOP=1 \
+		-f "$work/dist/idempotency-plain.sql" >"$work/install.log" 2>&1 ||
+		{ cat "$work/install.log" >&2; exit 2; }
+else
+	{
+		cluster_psql "$work/cluster" -d "$db" -q -v ON_ERROR_STOP=1 -c "CREATE EXTENSION pg_tle" &&
+		cluster_psql "$work/cluster" -d "$db" -q -v ON_ERROR_STOP=1 -f "$work/dist/idempotency-pgtle.sql" &&
+		cluster_psql "$work/cluster" -d "$db" -q -v ON_ERROR_STOP=1 -c "CREATE EXTENSION idempotency" &&
+		cluster_psql "$work/cluster" -d "$db" -q -v ON_ERROR_STOP=1 -c "CREATE EXTENSION dblink"
+	} >"$work/install.log" 2>&1 || { cat "$work/install.log" >&2; exit 2; }
+fi
+
+if [[ -n ${TESTS:-} ]]; then
+	read -r -a all <<<"$TESTS"
+else
+	mapfile -t all < <(cd "$root/sql" && ls ./*.sql | sed 's|^\./||; s|\.sql$||' | sort)
+fi
+run=()
+for t in "${all[@]}"; do
+	if [[ -n ${skip[$t]:-} ]]; then
+		echo "skip $t: ${skip[$t]}"
+	else
+		run+=("$t")
+	fi
+done
+
+# pg_regress writes results/ and regression.diffs into --outputdir, reads
+# sql/ and expected/ from --inputdir (a copy, so the tree stays clean).
+cp -r "$root/sql" "$root/expected" "$work/"
+chown -R "${PG_OS_USER:-postgres}": "$work"
+pg_regress=$pkglibdir/pgxs/src/test/regress/pg_regress
+rc=0
+(cd "$work" && as_postgres env PGUSER=postgres "$pg_regress" --use-existing --dbname="$db" \
+	--host="$host" --port="$port" --inputdir="$work" --outputdir="$work" \
+	--bindir="$bindir" "${run[@]}") >"$work/regress.out" 2>&1 || rc=$?
+grep -E '^(ok|not ok|#)' "$work/regress.out" || cat "$work/regress.out"
+passed=$(grep -c '^ok ' "$work/regress.out" || true)
+echo "$mode: $passed of ${#run[@]} passed, ${#skip[@]} skipped"
+if ((rc != 0)) && [[ -f $work/regression.diffs ]]; then
+	mkdir -p "$root/tmp_check"
+	cp "$work/regression.diffs" "$root/tmp_check/sql-edition-$mode.diffs"
+	echo "diffs: tmp_check/sql-edition-$mode.diffs"
+fi
+exit $((rc == 0 ? 0 : 1))
