@@ -134,14 +134,18 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	v text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
+	iv interval;
 BEGIN
 	IF v IS NULL OR v OPERATOR(pg_catalog.=) '' THEN
 		RETURN dflt;
 	END IF;
 	IF v OPERATOR(pg_catalog.~) '^[0-9]+$' THEN
-		RETURN (v OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) unit)::interval;
+		iv := (v OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) unit)::interval;
+	ELSE
+		iv := v::interval;
 	END IF;
-	RETURN v::interval;
+	-- a length of time, as the C edition's settings give it (24:00:00, not 1 day)
+	RETURN pg_catalog.make_interval(secs => EXTRACT(epoch FROM iv));
 END;
 $$;
 
@@ -505,8 +509,13 @@ BEGIN
 		END IF;
 		st := pg_catalog.pg_xact_status(x8);
 		IF st OPERATOR(pg_catalog.=) 'in progress' THEN
-			-- running and visible to our snapshot: our own row lock
-			busy := NOT pg_catalog.pg_visible_in_snapshot(x8, rec.snap_);
+			-- running: another transaction's change or row lock, unless it is
+			-- ours (a transaction holds the lock on each of its xids)
+			busy := x8 IS DISTINCT FROM pg_catalog.pg_current_xact_id_if_assigned() AND
+				NOT EXISTS (SELECT FROM pg_catalog.pg_locks l
+							 WHERE l.locktype OPERATOR(pg_catalog.=) 'transactionid'
+							   AND l.transactionid OPERATOR(pg_catalog.=) rec.xmax_
+							   AND l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid());
 			RETURN;
 		END IF;
 		IF st IS DISTINCT FROM 'committed' OR
@@ -753,9 +762,9 @@ BEGIN
 			IF action IN ('fresh', 'takeover') THEN
 				owner := CASE WHEN p_session_bound THEN idempotency._session_binding() END;
 				lease := COALESCE(p_lease,
-					idempotency._guc_interval('idempotency.lease', 'ms', '30s'));
+					idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30'));
 				retention := COALESCE(p_retention,
-					idempotency._guc_interval('idempotency.retention', 's', '1 day'));
+					idempotency._guc_interval('idempotency.retention', 's', '24:00:00'));
 				lease_until := now OPERATOR(pg_catalog.+) lease;
 				expires := GREATEST(now OPERATOR(pg_catalog.+) retention, lease_until);
 				token := pg_catalog.nextval('idempotency.token_seq'::regclass);
@@ -961,7 +970,7 @@ DECLARE
 	h integer;
 	disp text;
 	locked tid;
-	lease_until timestamptz;
+	n bigint;
 BEGIN
 	PERFORM idempotency._check_name(p_key, 'key', false);
 	PERFORM idempotency._check_name(p_scope, 'scope', true);
@@ -1013,30 +1022,16 @@ BEGIN
 		END IF;
 		IF result IS NULL THEN
 			-- the token is current: lock the row version we judged, never waiting
-			IF NOT p.busy THEN
-				BEGIN
-					SELECT k.ctid INTO locked FROM idempotency.keys k
-					 WHERE k.ctid OPERATOR(pg_catalog.=) p.tid
-					   AND k.scope OPERATOR(pg_catalog.=) p_scope
-					   AND k.key OPERATOR(pg_catalog.=) p_key
-					   FOR NO KEY UPDATE NOWAIT;
-				EXCEPTION WHEN lock_not_available THEN
-					locked := NULL;
-					p.busy := true;
-				END;
-			END IF;
 			IF p.busy THEN
 				RAISE EXCEPTION 'could not % idempotency key %', kind, disp
 					USING ERRCODE = '55P03',
 						  DETAIL = 'Another transaction holds a row lock on this key.',
 						  HINT = 'Retry once that transaction has ended.';
 			END IF;
-			IF locked IS NULL THEN
-				RAISE EXCEPTION 'idempotency key changed during a write'
-					USING ERRCODE = '40001',
-						  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
-						  HINT = 'Retry the transaction.';
-			END IF;
+			-- every writer of the key holds its advisory lock, which we hold:
+			-- the version probed is the one to write (no row lock, which
+			-- would stay on the new version and look like a change in flight)
+			locked := p.tid;
 			IF kind OPERATOR(pg_catalog.=) 'finish' THEN
 				result := now OPERATOR(pg_catalog.+) COALESCE(p_interval, p.retention);
 				UPDATE idempotency.keys k
@@ -1047,7 +1042,7 @@ BEGIN
 				 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
 			ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
 				result := now OPERATOR(pg_catalog.+) COALESCE(p_interval,
-					idempotency._guc_interval('idempotency.lease', 'ms', '30s'));
+					idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30'));
 				UPDATE idempotency.keys k
 				   SET lease_until = result,
 					   expires_at = GREATEST(now OPERATOR(pg_catalog.+) p.retention, result)
@@ -1059,11 +1054,25 @@ BEGIN
 				   SET phase = p_phase, phase_data = p_body
 				 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
 			END IF;
+			GET DIAGNOSTICS n = ROW_COUNT;
+			IF n OPERATOR(pg_catalog.<>) 1 THEN
+				RAISE EXCEPTION 'idempotency key changed during a write'
+					USING ERRCODE = '40001',
+						  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
+						  HINT = 'Retry the transaction.';
+			END IF;
 			wrote := true;
 		END IF;
-	EXCEPTION WHEN OTHERS OR query_canceled THEN
-		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-		RAISE;
+	EXCEPTION
+		WHEN lock_not_available THEN
+			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+			RAISE EXCEPTION 'could not % idempotency key %', kind, disp
+				USING ERRCODE = '55P03',
+					  DETAIL = 'Another transaction holds a row lock on this key.',
+					  HINT = 'Retry once that transaction has ended.';
+		WHEN OTHERS OR query_canceled THEN
+			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+			RAISE;
 	END;
 	PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 END;
@@ -1274,9 +1283,7 @@ BEGIN
 			IF p.expires_at OPERATOR(pg_catalog.<=) now AND NOT runs THEN
 				IF do_expire THEN
 					DELETE FROM idempotency.keys k
-					 WHERE k.ctid OPERATOR(pg_catalog.=) t
-					   AND k.ctid OPERATOR(pg_catalog.=) (SELECT k2.ctid FROM idempotency.keys k2
-						   WHERE k2.ctid OPERATOR(pg_catalog.=) t FOR UPDATE SKIP LOCKED);
+					 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 					GET DIAGNOSTICS n = ROW_COUNT;
 					IF n OPERATOR(pg_catalog.>) 0 THEN done := 'expired'; END IF;
 				END IF;
@@ -1284,18 +1291,14 @@ BEGIN
 				IF do_reset THEN
 					UPDATE idempotency.keys k
 					   SET token = NULL, sweep_at = p.expires_at, owner_session = NULL
-					 WHERE k.ctid OPERATOR(pg_catalog.=) t
-					   AND k.ctid OPERATOR(pg_catalog.=) (SELECT k2.ctid FROM idempotency.keys k2
-						   WHERE k2.ctid OPERATOR(pg_catalog.=) t FOR UPDATE SKIP LOCKED);
+					 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 					GET DIAGNOSTICS n = ROW_COUNT;
 					IF n OPERATOR(pg_catalog.>) 0 THEN done := 'reset'; END IF;
 				END IF;
 			ELSIF NOT only_ended THEN
 				UPDATE idempotency.keys k
 				   SET sweep_at = CASE WHEN runs THEN p.lease_until ELSE p.expires_at END
-				 WHERE k.ctid OPERATOR(pg_catalog.=) t
-				   AND k.ctid OPERATOR(pg_catalog.=) (SELECT k2.ctid FROM idempotency.keys k2
-					   WHERE k2.ctid OPERATOR(pg_catalog.=) t FOR UPDATE SKIP LOCKED);
+				 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 				GET DIAGNOSTICS n = ROW_COUNT;
 				IF n OPERATOR(pg_catalog.>) 0 THEN done := 'rescheduled'; END IF;
 			END IF;
