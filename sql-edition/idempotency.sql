@@ -359,6 +359,164 @@ SET search_path = pg_catalog, pg_temp
 RETURN pg_catalog.sha256(pg_catalog.convert_to(request::text, pg_catalog.getdatabaseencoding()));
 
 /* ---------------------------------------------------------------------
+ * The extension's objects, checked (catalog.c)
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * Refuse a store that is not as this script made it: a missing table,
+ * sequence or index, a table that is no member of the extension (under
+ * pg_tle; the plain installer makes no extension), columns of other names
+ * or types, a lost NOT NULL, or an index on other columns.  The SQL
+ * edition has no relation cache to keep this in, so it reads the catalog
+ * at every call (a few index lookups).
+ */
+CREATE OR REPLACE FUNCTION idempotency._check_catalog()
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	names text[] := ARRAY['scope', 'key', 'status', 'token', 'attempt',
+		'fingerprint', 'response_code', 'response_body', 'created_at',
+		'finished_at', 'lease_until', 'expires_at', 'retention', 'sweep_at',
+		'phase', 'phase_data', 'owner_session'];
+	types oid[] := ARRAY['text'::regtype, 'text'::regtype, 'text'::regtype,
+		'bigint'::regtype, 'integer'::regtype, 'bytea'::regtype,
+		'integer'::regtype, 'jsonb'::regtype, 'timestamptz'::regtype,
+		'timestamptz'::regtype, 'timestamptz'::regtype, 'timestamptz'::regtype,
+		'interval'::regtype, 'timestamptz'::regtype, 'text'::regtype,
+		'jsonb'::regtype, 'bigint'::regtype]::oid[];
+	required boolean[] := ARRAY[true, true, true, false, true, false, false,
+		false, true, false, false, true, true, true, false, false, false];
+	nsp oid := pg_catalog.to_regnamespace('idempotency');
+	ext oid;
+	keys oid;
+	seq oid;
+	idx oid;
+	natts integer;
+	a record;
+	ok boolean;
+BEGIN
+	IF nsp IS NOT NULL THEN
+		keys := pg_catalog.to_regclass('idempotency.keys');
+		seq := pg_catalog.to_regclass('idempotency.token_seq');
+	END IF;
+	IF keys IS NULL OR seq IS NULL THEN
+		RAISE EXCEPTION 'extension "idempotency" is not installed in this database'
+			USING ERRCODE = '42704', HINT = 'Run CREATE EXTENSION idempotency.';
+	END IF;
+	SELECT e.oid INTO ext FROM pg_catalog.pg_extension e
+	 WHERE e.extname OPERATOR(pg_catalog.=) 'idempotency';
+	IF ext IS NOT NULL THEN
+		FOREACH idx IN ARRAY ARRAY[keys, seq] LOOP
+			IF NOT EXISTS (SELECT FROM pg_catalog.pg_depend d
+						   WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::regclass
+							 AND d.objid OPERATOR(pg_catalog.=) idx
+							 AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_extension'::regclass
+							 AND d.refobjid OPERATOR(pg_catalog.=) ext
+							 AND d.deptype OPERATOR(pg_catalog.=) 'e') THEN
+				RAISE EXCEPTION 'relation "%" is not a member of extension "idempotency"',
+					(SELECT c.relname FROM pg_catalog.pg_class c WHERE c.oid OPERATOR(pg_catalog.=) idx)
+					USING ERRCODE = '55000',
+						  HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
+			END IF;
+		END LOOP;
+	END IF;
+	IF pg_catalog.to_regclass('idempotency.keys_pkey') IS NULL THEN
+		RAISE EXCEPTION 'index "keys_pkey" of extension "idempotency" is missing'
+			USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';
+	END IF;
+	IF pg_catalog.to_regclass('idempotency.keys_sweep_at_idx') IS NULL THEN
+		RAISE EXCEPTION 'index "keys_sweep_at_idx" of extension "idempotency" is missing'
+			USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';
+	END IF;
+	SELECT c.relnatts INTO natts FROM pg_catalog.pg_class c WHERE c.oid OPERATOR(pg_catalog.=) keys;
+	IF natts OPERATOR(pg_catalog.<>) 17 THEN
+		RAISE EXCEPTION 'table "idempotency.keys" is not as extension "idempotency" created it'
+			USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
+	END IF;
+	FOR a IN
+		SELECT t.attnum, t.attname, t.atttypid, t.attisdropped, t.attnotnull
+		  FROM pg_catalog.pg_attribute t
+		 WHERE t.attrelid OPERATOR(pg_catalog.=) keys AND t.attnum OPERATOR(pg_catalog.>) 0
+		 ORDER BY t.attnum
+	LOOP
+		IF a.attisdropped OR a.atttypid OPERATOR(pg_catalog.<>) types[a.attnum]
+		   OR a.attname::text OPERATOR(pg_catalog.<>) names[a.attnum] THEN
+			RAISE EXCEPTION 'table "idempotency.keys" is not as extension "idempotency" created it'
+				USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
+		END IF;
+		IF required[a.attnum] AND NOT a.attnotnull THEN
+			RAISE EXCEPTION 'column "%" of table "idempotency.keys" has lost its NOT NULL constraint', a.attname
+				USING ERRCODE = '55000',
+					  DETAIL = 'Extension "idempotency" creates it NOT NULL and relies on a value in every row.',
+					  HINT = pg_catalog.format('Restore the constraint with ALTER TABLE idempotency.keys ALTER COLUMN %s SET NOT NULL.',
+						  pg_catalog.quote_ident(a.attname));
+		END IF;
+	END LOOP;
+	FOR a IN
+		SELECT n.name, n.cols, n.partial FROM (VALUES
+			('keys_pkey', '1 2', false), ('keys_sweep_at_idx', '14', false),
+			('keys_owner_session_idx', '17', true)) n(name, cols, partial)
+	LOOP
+		idx := pg_catalog.to_regclass('idempotency.' OPERATOR(pg_catalog.||) a.name);
+		IF idx IS NULL THEN
+			RAISE EXCEPTION 'index "%" of extension "idempotency" is missing', a.name
+				USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';
+		END IF;
+		SELECT i.indrelid OPERATOR(pg_catalog.=) keys AND i.indisvalid
+			   AND c.relam OPERATOR(pg_catalog.=) (SELECT m.oid FROM pg_catalog.pg_am m WHERE m.amname OPERATOR(pg_catalog.=) 'btree')
+			   AND i.indnkeyatts::text OPERATOR(pg_catalog.=) pg_catalog.array_length(pg_catalog.string_to_array(a.cols, ' '), 1)::text
+			   AND pg_catalog.array_to_string(i.indkey[0:i.indnkeyatts OPERATOR(pg_catalog.-) 1], ' ') OPERATOR(pg_catalog.=) a.cols
+			   AND i.indexprs IS NULL AND (i.indpred IS NOT NULL) OPERATOR(pg_catalog.=) a.partial
+		  INTO ok
+		  FROM pg_catalog.pg_index i JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) i.indexrelid
+		 WHERE i.indexrelid OPERATOR(pg_catalog.=) idx;
+		IF NOT COALESCE(ok, false) THEN
+			RAISE EXCEPTION 'index "%" is not the index extension "idempotency" created', a.name
+				USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
+		END IF;
+	END LOOP;
+END;
+$$;
+
+/* The bindings table: present, a member, and of its two columns. */
+CREATE OR REPLACE FUNCTION idempotency._check_bindings()
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	rel oid := pg_catalog.to_regclass('idempotency.scope_bindings');
+	ext oid;
+BEGIN
+	IF rel IS NULL THEN
+		RAISE EXCEPTION 'table "idempotency.scope_bindings" of extension "idempotency" is missing'
+			USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';
+	END IF;
+	SELECT e.oid INTO ext FROM pg_catalog.pg_extension e
+	 WHERE e.extname OPERATOR(pg_catalog.=) 'idempotency';
+	IF ext IS NOT NULL AND NOT EXISTS (
+		SELECT FROM pg_catalog.pg_depend d
+		 WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::regclass
+		   AND d.objid OPERATOR(pg_catalog.=) rel
+		   AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_extension'::regclass
+		   AND d.refobjid OPERATOR(pg_catalog.=) ext AND d.deptype OPERATOR(pg_catalog.=) 'e') THEN
+		RAISE EXCEPTION 'relation "scope_bindings" is not a member of extension "idempotency"'
+			USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
+	END IF;
+	IF (SELECT c.relnatts FROM pg_catalog.pg_class c WHERE c.oid OPERATOR(pg_catalog.=) rel) OPERATOR(pg_catalog.<>) 2
+	   OR (SELECT pg_catalog.array_agg(t.atttypid ORDER BY t.attnum) FROM pg_catalog.pg_attribute t
+		   WHERE t.attrelid OPERATOR(pg_catalog.=) rel AND t.attnum OPERATOR(pg_catalog.>) 0 AND NOT t.attisdropped)
+		  OPERATOR(pg_catalog.<>) ARRAY['regrole'::regtype, 'text'::regtype]::oid[] THEN
+		RAISE EXCEPTION 'table "idempotency.scope_bindings" is not as extension "idempotency" created it'
+			USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
+	END IF;
+END;
+$$;
+
+/* ---------------------------------------------------------------------
  * Tenant bindings (tenant.c)
  * ---------------------------------------------------------------------
  */
@@ -380,8 +538,14 @@ DECLARE
 	r name;
 	prefix text;
 BEGIN
+	PERFORM idempotency._check_bindings();
 	IF NOT EXISTS (SELECT FROM idempotency.scope_bindings) THEN
 		RETURN;
+	END IF;
+	IF EXISTS (SELECT FROM idempotency.scope_bindings b
+			   WHERE b.role IS NULL OR b.scope_prefix IS NULL) THEN
+		RAISE EXCEPTION 'table "idempotency.scope_bindings" has a row with a NULL role or prefix'
+			USING ERRCODE = 'XX001', HINT = 'Someone changed the table''s constraints; delete that row.';
 	END IF;
 	IF caller OPERATOR(pg_catalog.<>) session_user
 	   AND NOT pg_catalog.pg_has_role(session_user, caller, 'MEMBER') THEN
@@ -429,6 +593,42 @@ BEGIN
 		RETURN NULL;
 	END IF;
 	RETURN (nxt OPERATOR(pg_catalog.+) d)::text::xid8;
+END;
+$$;
+
+/*
+ * Refuse (XX001) a stored row that the functions never write: a NULL in a
+ * NOT NULL column, an unknown status, a fingerprint that is no SHA-256.
+ */
+CREATE OR REPLACE FUNCTION idempotency._check_row(p_scope text, p_key text,
+	status text, attempt integer, created_at timestamptz, expires_at timestamptz,
+	retention interval, sweep_at timestamptz, fingerprint bytea)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF status IS NULL OR attempt IS NULL OR created_at IS NULL OR
+	   expires_at IS NULL OR retention IS NULL OR sweep_at IS NULL THEN
+		RAISE EXCEPTION 'idempotency key % has no value in column "%"',
+			idempotency._key_display(p_scope, p_key),
+			CASE WHEN status IS NULL THEN 'status' WHEN attempt IS NULL THEN 'attempt'
+				 WHEN created_at IS NULL THEN 'created_at' WHEN expires_at IS NULL THEN 'expires_at'
+				 WHEN retention IS NULL THEN 'retention' ELSE 'sweep_at' END
+			USING ERRCODE = 'XX001',
+				  HINT = 'Someone changed idempotency.keys outside the extension''s functions.';
+	END IF;
+	IF status OPERATOR(pg_catalog.<>) ALL (ARRAY['pending', 'succeeded', 'failed']) THEN
+		RAISE EXCEPTION 'idempotency key has an unknown status "%"', status
+			USING ERRCODE = 'XX001',
+				  HINT = 'Someone changed idempotency.keys outside the extension''s functions.';
+	END IF;
+	IF fingerprint IS NOT NULL AND pg_catalog.octet_length(fingerprint) OPERATOR(pg_catalog.<>) 32 THEN
+		RAISE EXCEPTION 'idempotency key has a fingerprint of % bytes, expected 32',
+			pg_catalog.octet_length(fingerprint)
+			USING ERRCODE = 'XX001',
+				  HINT = 'Someone changed idempotency.keys outside the extension''s functions.';
+	END IF;
 END;
 $$;
 
@@ -485,21 +685,8 @@ BEGIN
 		retention := rec.retention; sweep_at := rec.sweep_at;
 		phase := rec.phase; phase_data := rec.phase_data;
 		owner_session := rec.owner_session;
-		IF status IS NULL OR attempt IS NULL OR created_at IS NULL OR
-		   expires_at IS NULL OR retention IS NULL OR sweep_at IS NULL THEN
-			RAISE EXCEPTION 'idempotency key % has no value in column "%"',
-				idempotency._key_display(p_scope, p_key),
-				CASE WHEN status IS NULL THEN 'status' WHEN attempt IS NULL THEN 'attempt'
-					 WHEN created_at IS NULL THEN 'created_at' WHEN expires_at IS NULL THEN 'expires_at'
-					 WHEN retention IS NULL THEN 'retention' ELSE 'sweep_at' END
-				USING ERRCODE = 'XX001',
-					  HINT = 'Someone changed idempotency.keys outside the extension''s functions.';
-		END IF;
-		IF status OPERATOR(pg_catalog.<>) ALL (ARRAY['pending', 'succeeded', 'failed']) THEN
-			RAISE EXCEPTION 'idempotency key has an unknown status "%"', status
-				USING ERRCODE = 'XX001',
-					  HINT = 'Someone changed idempotency.keys outside the extension''s functions.';
-		END IF;
+		PERFORM idempotency._check_row(p_scope, p_key, status, attempt, created_at,
+			expires_at, retention, sweep_at, fingerprint);
 		x8 := idempotency._xid8(rec.xmin_, rec.snap_);
 		mine := x8 IS NOT NULL AND
 			pg_catalog.pg_xact_status(x8) OPERATOR(pg_catalog.=) 'in progress';
@@ -700,6 +887,7 @@ BEGIN
 	END IF;
 	PERFORM idempotency._check_writable(fn);
 	PERFORM idempotency._tenant_check(caller, p_scope);
+	PERFORM idempotency._check_catalog();
 	busy := false;
 	held := false;
 	h := idempotency._key_hash(p_scope, p_key);
@@ -989,6 +1177,7 @@ BEGIN
 	END IF;
 	PERFORM idempotency._check_writable(fn);
 	PERFORM idempotency._tenant_check(caller, p_scope);
+	PERFORM idempotency._check_catalog();
 	wrote := false;
 	h := idempotency._key_hash(p_scope, p_key);
 	disp := idempotency._key_display(p_scope, p_key);
@@ -1221,10 +1410,13 @@ BEGIN
 	PERFORM idempotency._check_name(p_key, 'key', false);
 	PERFORM idempotency._check_name(p_scope, 'scope', true);
 	PERFORM idempotency._tenant_check(caller, p_scope);
+	PERFORM idempotency._check_catalog();
 	RETURN QUERY
 		SELECT k.status::text, k.attempt, k.response_code, k.response_body,
 			   k.created_at, k.finished_at, k.expires_at, k.phase::text
-		  FROM idempotency.keys k
+		  FROM idempotency.keys k,
+			   LATERAL idempotency._check_row(p_scope, p_key, k.status, k.attempt,
+				   k.created_at, k.expires_at, k.retention, k.sweep_at, k.fingerprint) c
 		 WHERE k.scope OPERATOR(pg_catalog.=) p_scope
 		   AND k.key OPERATOR(pg_catalog.=) p_key
 		   AND k.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp();
@@ -1343,6 +1535,7 @@ BEGIN
 	batch := COALESCE(batch_size,
 		idempotency._guc_bytes('idempotency.sweep_batch', 1000)::integer);
 	PERFORM idempotency._check_writable('idem_sweep()');
+	PERFORM idempotency._check_catalog();
 	now := pg_catalog.clock_timestamp();
 	expired := 0;
 	reset := 0;
@@ -1471,6 +1664,7 @@ BEGIN
 	IF NOT pg_catalog.has_table_privilege(caller, 'idempotency.stats', 'SELECT') THEN
 		RAISE EXCEPTION 'permission denied for view stats' USING ERRCODE = '42501';
 	END IF;
+	PERFORM idempotency._check_catalog();
 	blocks := pg_catalog.pg_relation_size('idempotency.keys'::regclass) OPERATOR(pg_catalog./)
 		pg_catalog.current_setting('block_size')::bigint;
 	IF lim OPERATOR(pg_catalog.<) 0 OR blocks OPERATOR(pg_catalog.<=) lim THEN
