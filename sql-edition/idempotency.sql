@@ -848,6 +848,28 @@ END;
 $$;
 
 /*
+ * Make the token sequence's position durable before a token leaves the
+ * server: a value handed out under a sequence record that is not flushed
+ * yet could be handed out again after a crash.  SQL cannot read the
+ * sequence page's LSN as the C edition does, so when any WAL is
+ * unflushed it writes a tiny non-transactional WAL message and flushes up
+ * to it (PostgreSQL 17's pg_logical_emit_message(..., flush)); before 17
+ * the commit's flush is all there is (documented).
+ */
+CREATE OR REPLACE FUNCTION idempotency._flush_tokens()
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF pg_catalog.current_setting('server_version_num')::integer OPERATOR(pg_catalog.>=) 170000
+	   AND pg_catalog.pg_current_wal_flush_lsn() OPERATOR(pg_catalog.<) pg_catalog.pg_current_wal_insert_lsn() THEN
+		PERFORM pg_catalog.pg_logical_emit_message(false, 'idempotency', '', true);
+	END IF;
+END;
+$$;
+
+/*
  * One claim attempt (claim.c, claim_once): answer from a lock-free probe
  * when possible; else take the key's advisory lock without waiting, probe
  * again, write, and let the lock go at once.  The lock is session-level
@@ -858,8 +880,8 @@ $$;
  * transaction holds the claim (held), and until when the lease it met runs.
  */
 CREATE OR REPLACE FUNCTION idempotency._w_claim(caller name, fn text,
-	p_key text, p_fp bytea, p_scope text, p_lease interval,
-	p_retention interval, p_session_bound boolean,
+	p_key text, p_request jsonb, p_scope text, p_lease interval,
+	p_retention interval, p_session_bound boolean, p_flush boolean,
 	OUT outcome text, OUT token bigint, OUT attempt integer, OUT status text,
 	OUT response_code integer, OUT response_body jsonb, OUT retry_after integer,
 	OUT phase text, OUT phase_data jsonb,
@@ -877,6 +899,7 @@ DECLARE
 	expires timestamptz;
 	owner bigint;
 	new_attempt integer;
+	p_fp bytea;
 BEGIN
 	PERFORM idempotency._check_name(p_key, 'key', false);
 	PERFORM idempotency._check_name(p_scope, 'scope', true);
@@ -888,6 +911,9 @@ BEGIN
 	PERFORM idempotency._check_writable(fn);
 	PERFORM idempotency._tenant_check(caller, p_scope);
 	PERFORM idempotency._check_catalog();
+	IF p_request IS NOT NULL THEN
+		p_fp := idempotency._fingerprint(p_request);
+	END IF;
 	busy := false;
 	held := false;
 	h := idempotency._key_hash(p_scope, p_key);
@@ -996,6 +1022,9 @@ BEGIN
 				RAISE;
 		END;
 		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+		IF outcome OPERATOR(pg_catalog.=) 'claimed' AND p_flush THEN
+			PERFORM idempotency._flush_tokens();
+		END IF;
 		IF action OPERATOR(pg_catalog.=) 'busy' THEN
 			outcome := 'in_progress'; retry_after := 1; busy := true;
 			token := NULL; attempt := NULL; phase := NULL; phase_data := NULL;
@@ -1028,7 +1057,6 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	w record;
-	fp bytea;
 	deadline timestamptz;
 	now timestamptz;
 	pause double precision := 0.001;
@@ -1043,11 +1071,8 @@ BEGIN
 		RAISE EXCEPTION 'session_bound must not be null' USING ERRCODE = '22004';
 	END IF;
 	PERFORM idempotency._check_writable('idem_claim()');
-	IF request IS NOT NULL THEN
-		fp := idempotency._fingerprint(request);
-	END IF;
-	SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim()', key, fp,
-		scope, lease, retention, session_bound);
+	SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim()', key, request,
+		scope, lease, retention, session_bound, true);
 	IF w.outcome OPERATOR(pg_catalog.=) 'in_progress' AND NOT w.held
 	   AND wait OPERATOR(pg_catalog.>) '0'::interval THEN
 		deadline := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) wait;
@@ -1060,8 +1085,8 @@ BEGIN
 			END IF;
 			PERFORM pg_catalog.pg_sleep(GREATEST(sleep, 0.0005));
 			pause := LEAST(pause OPERATOR(pg_catalog.*) 2, 0.01);
-			SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim()', key, fp,
-				scope, lease, retention, session_bound);
+			SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim()', key, request,
+				scope, lease, retention, session_bound, true);
 			EXIT WHEN w.outcome OPERATOR(pg_catalog.<>) 'in_progress' OR w.held;
 		END LOOP;
 	END IF;
@@ -1092,8 +1117,8 @@ DECLARE
 	k text[];
 	req jsonb[];
 	n integer;
-	fp bytea;
 	w record;
+	claimed boolean := false;
 BEGIN
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(keys), 'keys', true, keys IS NULL);
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(requests), 'requests', false, requests IS NULL);
@@ -1115,18 +1140,19 @@ BEGIN
 	PERFORM idempotency._check_writable('idem_claim_many()');
 	PERFORM idempotency._tenant_check(current_user, scope);
 	FOR i IN 1..n LOOP
-		fp := NULL;
-		IF req IS NOT NULL AND req[i] IS NOT NULL THEN
-			fp := idempotency._fingerprint(req[i]);
-		END IF;
-		SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim_many()', k[i], fp,
-			scope, lease, retention, session_bound);
+		SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim_many()', k[i], req[i],
+			scope, lease, retention, session_bound, false);
+		claimed := claimed OR w.outcome OPERATOR(pg_catalog.=) 'claimed';
 		ord := i; key := k[i]; outcome := w.outcome; token := w.token;
 		attempt := w.attempt; status := w.status; response_code := w.response_code;
 		response_body := w.response_body; retry_after := w.retry_after;
 		phase := w.phase; phase_data := w.phase_data;
 		RETURN NEXT;
 	END LOOP;
+	-- the rows leave when the function returns: one flush for all tokens
+	IF claimed THEN
+		PERFORM idempotency._flush_tokens();
+	END IF;
 END;
 $$;
 
@@ -1160,6 +1186,9 @@ DECLARE
 	locked tid;
 	n bigint;
 BEGIN
+	IF kind IS NULL OR kind OPERATOR(pg_catalog.<>) ALL (ARRAY['finish', 'extend', 'release', 'checkpoint']) THEN
+		RAISE EXCEPTION 'unknown token call "%"', kind USING ERRCODE = '22023';
+	END IF;
 	PERFORM idempotency._check_name(p_key, 'key', false);
 	PERFORM idempotency._check_name(p_scope, 'scope', true);
 	IF p_token IS NULL THEN
