@@ -15,7 +15,9 @@
 # on IDEM_SQLED_PORT (default 55541) and lives in a temporary directory,
 # removed at exit (kept, with the results and diffs, when KEEP=1).  Tests
 # that exercise what the SQL edition cannot have are skipped with their
-# reason (the list below); a test may also name only a subset with
+# reason (the list below).  SUITE=isolation runs the isolation specs
+# instead (specs/pause_* need the C library's pause points: skipped).  A
+# run may also name only a subset with
 # TESTS="claim finish"; NOSKIP=1 runs the skipped ones too.  Prints pg_regress's summary and "N of M passed".
 #
 # Exit status: 0 every test that ran passed; 1 some failed; 2 usage or
@@ -103,10 +105,18 @@ else
 	} >"$work/install.log" 2>&1 || { cat "$work/install.log" >&2; exit 2; }
 fi
 
+suite=${SUITE:-regress}
 if [[ -n ${TESTS:-} ]]; then
 	read -r -a all <<<"$TESTS"
+elif [[ $suite == isolation ]]; then
+	mapfile -t all < <(cd "$root/specs" && ls ./*.spec | sed 's|^\./||; s|\.spec$||' | sort)
 else
 	mapfile -t all < <(cd "$root/sql" && ls ./*.sql | sed 's|^\./||; s|\.sql$||' | sort)
+fi
+if [[ $suite == isolation ]]; then
+	for t in "${all[@]}"; do
+		[[ $t == pause_* ]] && skip[$t]="stops a session at a pause point compiled into the C library (make IDEM_TEST_PAUSES=1)"
+	done
 fi
 run=()
 for t in "${all[@]}"; do
@@ -119,19 +129,25 @@ done
 
 # pg_regress writes results/ and regression.diffs into --outputdir, reads
 # sql/ and expected/ from --inputdir (a copy, so the tree stays clean).
-cp -r "$root/sql" "$root/expected" "$work/"
+cp -r "$root/sql" "$root/specs" "$root/expected" "$work/"
 chown -R "${PG_OS_USER:-postgres}": "$work"
-pg_regress=$pkglibdir/pgxs/src/test/regress/pg_regress
+if [[ $suite == isolation ]]; then
+	pg_regress=$pkglibdir/pgxs/src/test/isolation/pg_isolation_regress
+	[[ -x $pg_regress ]] || pg_regress=$bindir/pg_isolation_regress
+else
+	pg_regress=$pkglibdir/pgxs/src/test/regress/pg_regress
+fi
 rc=0
 (cd "$work" && as_postgres env PGUSER=postgres "$pg_regress" --use-existing --dbname="$db" \
 	--host="$host" --port="$port" --inputdir="$work" --outputdir="$work" \
 	--bindir="$bindir" "${run[@]}") >"$work/regress.out" 2>&1 || rc=$?
 grep -E '^(ok|not ok|#)' "$work/regress.out" || cat "$work/regress.out"
 passed=$(grep -c '^ok ' "$work/regress.out" || true)
-echo "$mode: $passed of ${#run[@]} passed, ${#skip[@]} skipped"
+nskip=$((${#all[@]} - ${#run[@]}))
+echo "$mode $suite: $passed of ${#run[@]} passed, $nskip skipped"
 if ((rc != 0)) && [[ -f $work/regression.diffs ]]; then
 	mkdir -p "$root/tmp_check"
-	cp "$work/regression.diffs" "$root/tmp_check/sql-edition-$mode.diffs"
-	echo "diffs: tmp_check/sql-edition-$mode.diffs"
+	cp "$work/regression.diffs" "$root/tmp_check/sql-edition-$mode-$suite.diffs"
+	echo "diffs: tmp_check/sql-edition-$mode-$suite.diffs"
 fi
 exit $((rc == 0 ? 0 : 1))
