@@ -848,6 +848,34 @@ END;
 $$;
 
 /*
+ * A new key is invisible to other transactions until ours commits, and
+ * SQL has no dirty read to see it by.  So the transaction that inserts a
+ * key also takes the key's advisory lock in share mode, until it ends (a
+ * rollback, also to a savepoint, lets it go with the row): another claim
+ * then fails to take the key's lock and answers in_progress, as the C
+ * edition answers for a row in flight, instead of meeting the row in the
+ * insert's unique check and waiting for us.  At most 256 such locks per
+ * transaction, so that a batch of 10,000 claims cannot fill the shared lock
+ * table; beyond them, a concurrent claim of one of those keys finds the row
+ * through its insert, whose unique check gives up after 1 ms
+ * (_write_claim's lock_timeout) and answers in_progress too.
+ */
+CREATE OR REPLACE FUNCTION idempotency._mark_insert(h integer)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	n integer := COALESCE(NULLIF(pg_catalog.current_setting('idempotency_sql.xact_marks', true), ''), '0')::integer;
+BEGIN
+	IF n OPERATOR(pg_catalog.<) 256 THEN
+		PERFORM pg_catalog.pg_advisory_xact_lock_shared(idempotency._lock_class(), h);
+		PERFORM pg_catalog.set_config('idempotency_sql.xact_marks', (n OPERATOR(pg_catalog.+) 1)::text, true);
+	END IF;
+END;
+$$;
+
+/*
  * Make the token sequence's position durable before a token leaves the
  * server: a value handed out under a sequence record that is not flushed
  * yet could be handed out again after a crash.  SQL cannot read the
@@ -994,6 +1022,9 @@ BEGIN
 						USING ERRCODE = '40001',
 							  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
 							  HINT = 'Retry the transaction.';
+				END IF;
+				IF NOT p.present THEN
+					PERFORM idempotency._mark_insert(h);
 				END IF;
 				IF pg_catalog.current_setting('idempotency_sql.xact_first_token', true) IS NULL OR
 				   pg_catalog.current_setting('idempotency_sql.xact_first_token', true) OPERATOR(pg_catalog.=) '' THEN
@@ -1210,10 +1241,39 @@ BEGIN
 	wrote := false;
 	h := idempotency._key_hash(p_scope, p_key);
 	disp := idempotency._key_display(p_scope, p_key);
-	PERFORM pg_catalog.pg_advisory_lock(idempotency._lock_class(), h);
+	LOOP
+		PERFORM pg_catalog.pg_advisory_lock(idempotency._lock_class(), h);
+		BEGIN
+			now := pg_catalog.clock_timestamp();
+			SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
+		EXCEPTION WHEN OTHERS OR query_canceled THEN
+			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+			RAISE;
+		END;
+		-- Another transaction is changing a key whose committed row is a
+		-- live claim of this very token: while the lease runs, only the
+		-- token's holder (an extend, checkpoint or finish made elsewhere)
+		-- or a sweep moving sweep_at changes it, and the token stays
+		-- current.  Wait for that transaction, as a row lock waits (so a
+		-- deadlock is detected), without the key's lock, and look again.
+		-- Without a dirty read the SQL edition cannot see what the change
+		-- is; once the lease has ended it may be a takeover, which is
+		-- never waited for (55P03 below).
+		EXIT WHEN NOT (p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
+			AND p.token OPERATOR(pg_catalog.=) p_token
+			AND p.expires_at OPERATOR(pg_catalog.>) now
+			AND p.lease_until OPERATOR(pg_catalog.>) now
+			AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)));
+		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+		BEGIN
+			PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid FOR SHARE;
+			-- the lock only served to wait: roll it back at once
+			RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
+		EXCEPTION WHEN SQLSTATE 'IDW01' THEN
+			NULL;
+		END;
+	END LOOP;
 	BEGIN
-		now := pg_catalog.clock_timestamp();
-		SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
 		-- what the committed row says is said whatever is in flight
 		IF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
 			RAISE EXCEPTION 'idempotency key % does not exist', disp
