@@ -781,9 +781,13 @@ $$;
 
 /*
  * Write a claim: insert a new key, or turn the probed row version "old_tid"
- * into a new pending attempt.  Its own lock_timeout makes the insert's
- * unique check give up at once on a key that another transaction is
- * inserting (the caller answers in_progress) instead of waiting for it.
+ * into a new pending attempt.  A key that another transaction is
+ * inserting is invisible here (SQL has no dirty read); the insert's unique
+ * check meets it and would wait for that transaction.  Its own lock_timeout
+ * makes the check give up after 1 ms instead (the caller answers
+ * in_progress): the SQL edition's one wait on another transaction, the
+ * shortest PostgreSQL offers.  Marking new keys with advisory locks held to
+ * commit would avoid it, but would hold a lock per key until commit.
  */
 CREATE OR REPLACE FUNCTION idempotency._write_claim(p_scope text, p_key text,
 	old_tid tid, p_token bigint, p_attempt integer, p_fp bytea,
@@ -844,34 +848,6 @@ DECLARE
 BEGIN
 	RETURN mine AND token IS NOT NULL AND first IS NOT NULL AND first OPERATOR(pg_catalog.<>) ''
 		AND token OPERATOR(pg_catalog.>=) first::bigint;
-END;
-$$;
-
-/*
- * A new key is invisible to other transactions until ours commits, and
- * SQL has no dirty read to see it by.  So the transaction that inserts a
- * key also takes the key's advisory lock in share mode, until it ends (a
- * rollback, also to a savepoint, lets it go with the row): another claim
- * then fails to take the key's lock and answers in_progress, as the C
- * edition answers for a row in flight, instead of meeting the row in the
- * insert's unique check and waiting for us.  At most 256 such locks per
- * transaction, so that a batch of 10,000 claims cannot fill the shared lock
- * table; beyond them, a concurrent claim of one of those keys finds the row
- * through its insert, whose unique check gives up after 1 ms
- * (_write_claim's lock_timeout) and answers in_progress too.
- */
-CREATE OR REPLACE FUNCTION idempotency._mark_insert(h integer)
-RETURNS void
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-	n integer := COALESCE(NULLIF(pg_catalog.current_setting('idempotency_sql.xact_marks', true), ''), '0')::integer;
-BEGIN
-	IF n OPERATOR(pg_catalog.<) 256 THEN
-		PERFORM pg_catalog.pg_advisory_xact_lock_shared(idempotency._lock_class(), h);
-		PERFORM pg_catalog.set_config('idempotency_sql.xact_marks', (n OPERATOR(pg_catalog.+) 1)::text, true);
-	END IF;
 END;
 $$;
 
@@ -1022,9 +998,6 @@ BEGIN
 						USING ERRCODE = '40001',
 							  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
 							  HINT = 'Retry the transaction.';
-				END IF;
-				IF NOT p.present THEN
-					PERFORM idempotency._mark_insert(h);
 				END IF;
 				IF pg_catalog.current_setting('idempotency_sql.xact_first_token', true) IS NULL OR
 				   pg_catalog.current_setting('idempotency_sql.xact_first_token', true) OPERATOR(pg_catalog.=) '' THEN
