@@ -149,8 +149,15 @@ BEGIN
 END;
 $$;
 
-/* An idempotency.* setting that counts bytes (or plain numbers). */
-CREATE OR REPLACE FUNCTION idempotency._guc_bytes(name text, dflt bigint)
+/*
+ * An idempotency.* setting that counts bytes (or plain numbers).  The C
+ * edition lets only superusers change max_response_size and
+ * stats_exact_limit (superuser_only): a placeholder can be SET by anyone,
+ * so for any other session the value it started with counts (from the
+ * configuration file, ALTER DATABASE or ALTER ROLE), not what it SET.
+ */
+CREATE OR REPLACE FUNCTION idempotency._guc_bytes(name text, dflt bigint,
+	superuser_only boolean DEFAULT false)
 RETURNS bigint
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -159,6 +166,11 @@ DECLARE
 	v text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
 	m text[];
 BEGIN
+	IF superuser_only AND NOT (SELECT r.rolsuper FROM pg_catalog.pg_roles r
+							   WHERE r.rolname OPERATOR(pg_catalog.=) session_user) THEN
+		SELECT pg_catalog.btrim(s.reset_val) INTO v FROM pg_catalog.pg_settings s
+		 WHERE s.name OPERATOR(pg_catalog.=) _guc_bytes.name;
+	END IF;
 	IF v IS NULL OR v OPERATOR(pg_catalog.=) '' THEN
 		RETURN dflt;
 	END IF;
@@ -280,7 +292,7 @@ BEGIN
 	IF body IS NULL THEN
 		RETURN;
 	END IF;
-	lim := idempotency._guc_bytes('idempotency.max_response_size', 1048576);
+	lim := idempotency._guc_bytes('idempotency.max_response_size', 1048576, true);
 	bytes := pg_catalog.pg_column_size(body::text::jsonb) OPERATOR(pg_catalog.-) 4;
 	IF bytes OPERATOR(pg_catalog.>) lim THEN
 		RAISE EXCEPTION '% is too large', name
@@ -1714,7 +1726,7 @@ LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-	lim bigint := idempotency._guc_bytes('idempotency.stats_exact_limit', 1024);
+	lim bigint := idempotency._guc_bytes('idempotency.stats_exact_limit', 1024, true);
 	blocks bigint;
 	tuples double precision;
 	pages double precision;
