@@ -39,8 +39,9 @@ if [[ -e $sharedir/extension/idempotency.control || -e $pkglibdir/idempotency.so
 	exit 2
 fi
 
-# Tests of what only the C edition has, by the differences the SQL
-# edition is allowed (sql-edition/README.md).
+# Tests skipped, each with its reason: what only the C edition has (the
+# worker's counters, the library's settings, its session bindings: see
+# sql-edition/README.md), or what a mode cannot run.
 declare -A skip=(
 	[gucs]="the settings are defined by the C library (placeholders without it)"
 	[stats]="about the call counters, which live in the C library's shared memory (NULL in the SQL edition)"
@@ -117,6 +118,8 @@ if [[ $suite == isolation ]]; then
 	for t in "${all[@]}"; do
 		[[ $t == pause_* ]] && skip[$t]="stops a session at a pause point compiled into the C library (make IDEM_TEST_PAUSES=1)"
 	done
+	skip[session_binding_reused]="sets the token sequence back to make two sessions share a C edition binding number; the SQL edition's bindings are pid and backend start"
+	skip[session_bound_takeover]="ends bindings with pg_advisory_unlock_all() and DISCARD ALL, which the SQL edition's bindings (pid and backend start) outlive"
 fi
 run=()
 for t in "${all[@]}"; do
