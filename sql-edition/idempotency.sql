@@ -645,6 +645,50 @@ END;
 $$;
 
 /*
+ * Is the row version whose xmax is "x" changed or row-locked right now by
+ * another transaction through a multixact?  A row that several
+ * transactions lock, or that one transaction locks and then updates in a
+ * subtransaction (every worker writes inside an exception block), carries
+ * a multixact id in xmax, which SQL cannot tell from a transaction id: so
+ * "x" is read as a multixact too.  It counts as busy when one of its
+ * members is still running and is not ours, while another backend holds a
+ * lock on idempotency.keys (every transaction that locks or changes a row
+ * of the table does until it ends: that keeps a transaction id that is
+ * also the number of some other table's multixact from counting, unless
+ * the table is in use right then).  A member is taken for ours when it is
+ * our transaction's id or newer than it (our subtransactions' ids are; a
+ * transaction that began after ours and locks the row is then missed, and
+ * the write that follows waits for it).  An "x" that is no multixact (too
+ * old, or not created yet) is not busy.
+ */
+CREATE OR REPLACE FUNCTION idempotency._multi_busy(x xid, snap pg_snapshot)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	m record;
+	x8 xid8;
+	top xid8 := pg_catalog.pg_current_xact_id_if_assigned();
+BEGIN
+	FOR m IN SELECT mm.xid FROM pg_catalog.pg_get_multixact_members(x) mm LOOP
+		x8 := idempotency._xid8(m.xid, snap);
+		CONTINUE WHEN x8 IS NULL OR
+			pg_catalog.pg_xact_status(x8) IS DISTINCT FROM 'in progress' OR
+			x8 OPERATOR(pg_catalog.>=) top;
+		RETURN EXISTS (SELECT FROM pg_catalog.pg_locks r
+						WHERE r.locktype OPERATOR(pg_catalog.=) 'relation'
+						  AND r.relation OPERATOR(pg_catalog.=) 'idempotency.keys'::pg_catalog.regclass
+						  AND r.granted
+						  AND r.pid OPERATOR(pg_catalog.<>) pg_catalog.pg_backend_pid());
+	END LOOP;
+	RETURN false;
+EXCEPTION WHEN OTHERS THEN
+	RETURN false;				-- no such multixact: a plain transaction id
+END;
+$$;
+
+/*
  * Read one key at its newest committed state, as a claim must judge it,
  * without waiting and without locking anything.  The SQL edition has no
  * dirty snapshot, so it reads the row version its statement sees and asks
@@ -704,6 +748,9 @@ BEGIN
 			pg_catalog.pg_xact_status(x8) OPERATOR(pg_catalog.=) 'in progress';
 		x8 := idempotency._xid8(rec.xmax_, rec.snap_);
 		IF x8 IS NULL THEN
+			IF rec.xmax_ OPERATOR(pg_catalog.<>) '0'::xid THEN
+				busy := idempotency._multi_busy(rec.xmax_, rec.snap_);
+			END IF;
 			RETURN;
 		END IF;
 		st := pg_catalog.pg_xact_status(x8);
@@ -715,6 +762,10 @@ BEGIN
 							 WHERE l.locktype OPERATOR(pg_catalog.=) 'transactionid'
 							   AND l.transactionid OPERATOR(pg_catalog.=) rec.xmax_
 							   AND l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid());
+			RETURN;
+		END IF;
+		IF idempotency._multi_busy(rec.xmax_, rec.snap_) THEN
+			busy := true;
 			RETURN;
 		END IF;
 		IF st IS DISTINCT FROM 'committed' OR
@@ -1178,6 +1229,49 @@ $$;
  */
 
 /*
+ * Is the row version at "t", which another running transaction holds, being
+ * updated in columns other than the key (rather than deleted, or only
+ * row-locked)?  Told by the row locks that conflict with it, each tried
+ * without waiting in a subtransaction that is rolled back: FOR KEY SHARE
+ * conflicts with a delete and FOR UPDATE but not with such an update; FOR
+ * SHARE conflicts with such an update (and FOR NO KEY UPDATE, which it
+ * cannot tell from one) but not with FOR SHARE or FOR KEY SHARE.  A
+ * version that is gone by now counts as updated: the caller looks again.
+ */
+CREATE OR REPLACE FUNCTION idempotency._being_updated(t tid)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	verdict boolean;
+BEGIN
+	BEGIN
+		PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
+			FOR KEY SHARE NOWAIT;
+		IF NOT FOUND THEN
+			verdict := true;
+		ELSE
+			BEGIN
+				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
+					FOR SHARE NOWAIT;
+				verdict := false;		-- only shared row locks
+			EXCEPTION WHEN lock_not_available THEN
+				verdict := true;
+			END;
+		END IF;
+		-- the locks only served to ask: roll them back at once
+		RAISE EXCEPTION 'asked' USING ERRCODE = 'IDW02';
+	EXCEPTION
+		WHEN lock_not_available THEN
+			RETURN false;			-- a delete or FOR UPDATE
+		WHEN SQLSTATE 'IDW02' THEN
+			RETURN verdict;
+	END;
+END;
+$$;
+
+/*
  * One token holder's call: finish, extend, release or checkpoint the key.
  * Judges the token against the key's committed row (absent or past its
  * retention: P0002; finished: 55000; another token's: 55006), then locks
@@ -1237,18 +1331,23 @@ BEGIN
 		END;
 		-- Another transaction is changing a key whose committed row is a
 		-- live claim of this very token: while the lease runs, only the
-		-- token's holder (an extend, checkpoint or finish made elsewhere)
-		-- or a sweep moving sweep_at changes it, and the token stays
-		-- current.  Wait for that transaction, as a row lock waits (so a
-		-- deadlock is detected), without the key's lock, and look again.
-		-- Without a dirty read the SQL edition cannot see what the change
-		-- is; once the lease has ended it may be a takeover, which is
-		-- never waited for (55P03 below).
+		-- token's holder (an extend, checkpoint, finish or release made
+		-- elsewhere), a sweep moving sweep_at, or plain SQL changes it.
+		-- Without a dirty read the SQL edition cannot see the new version,
+		-- so it tells the change by the row lock it holds, asked without
+		-- waiting: an update of other columns than the key (extend,
+		-- checkpoint, finish, sweep) leaves the token current and is
+		-- waited for, as a row lock waits (so a deadlock is detected),
+		-- without the key's lock, and the key is looked at again; a delete
+		-- (a release) or a plain row lock is not (55P03 below).  Once the
+		-- lease has ended the change may be a takeover, which is never
+		-- waited for either.
 		EXIT WHEN NOT (p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
 			AND p.token OPERATOR(pg_catalog.=) p_token
 			AND p.expires_at OPERATOR(pg_catalog.>) now
 			AND p.lease_until OPERATOR(pg_catalog.>) now
 			AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)));
+		EXIT WHEN NOT idempotency._being_updated(p.tid);
 		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 		BEGIN
 			PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid FOR SHARE;
