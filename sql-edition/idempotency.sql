@@ -992,7 +992,10 @@ BEGIN
 		outcome := NULL; token := NULL; attempt := NULL; status := NULL;
 		response_code := NULL; response_body := NULL; retry_after := NULL;
 		phase := NULL; phase_data := NULL; lease_until := NULL;
-		IF p.busy THEN
+		IF p.busy OR (NOT p.present AND
+			pg_catalog.current_setting('idempotency_sql.probe_only', true) OPERATOR(pg_catalog.=) 'on') THEN
+			-- busy, or absent while a waiting idem_claim knows that another
+			-- transaction is inserting the key (see there)
 			outcome := 'in_progress'; retry_after := 1; busy := true;
 			RETURN;
 		ELSIF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
@@ -1077,6 +1080,10 @@ BEGIN
 		EXCEPTION
 			WHEN lock_not_available THEN
 				action := 'busy';
+				IF NOT p.present THEN
+					-- the insert met another transaction's uncommitted one
+					PERFORM pg_catalog.set_config('idempotency_sql.unseen_insert', 'on', true);
+				END IF;
 			WHEN unique_violation THEN
 				IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
 					PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
@@ -1128,6 +1135,8 @@ DECLARE
 	now timestamptz;
 	pause double precision := 0.001;
 	sleep double precision;
+	insert_at timestamptz;
+	insert_every interval := '250 milliseconds';
 BEGIN
 	PERFORM idempotency._check_name(key, 'key', false);
 	PERFORM idempotency._check_name(scope, 'scope', true);
@@ -1138,11 +1147,20 @@ BEGIN
 		RAISE EXCEPTION 'session_bound must not be null' USING ERRCODE = '22004';
 	END IF;
 	PERFORM idempotency._check_writable('idem_claim()');
+	PERFORM pg_catalog.set_config('idempotency_sql.unseen_insert', '', true);
 	SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim()', key, request,
 		scope, lease, retention, session_bound, true);
 	IF w.outcome OPERATOR(pg_catalog.=) 'in_progress' AND NOT w.held
 	   AND wait OPERATOR(pg_catalog.>) '0'::interval THEN
 		deadline := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) wait;
+		-- A key that another transaction is inserting is invisible, and each
+		-- insert of ours waits up to 1 ms for it in the unique check.  Once
+		-- an insert met one, polls only probe (the key shows up when that
+		-- transaction commits) and insert again only now and then (it
+		-- may roll back): after 250 ms, then at doubling intervals up to 1 s.
+		IF pg_catalog.current_setting('idempotency_sql.unseen_insert', true) OPERATOR(pg_catalog.=) 'on' THEN
+			insert_at := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) insert_every;
+		END IF;
 		LOOP
 			now := pg_catalog.clock_timestamp();
 			EXIT WHEN now OPERATOR(pg_catalog.>=) deadline;
@@ -1152,8 +1170,21 @@ BEGIN
 			END IF;
 			PERFORM pg_catalog.pg_sleep(GREATEST(sleep, 0.0005));
 			pause := LEAST(pause OPERATOR(pg_catalog.*) 2, 0.01);
+			IF insert_at IS NOT NULL AND pg_catalog.clock_timestamp() OPERATOR(pg_catalog.<) insert_at THEN
+				PERFORM pg_catalog.set_config('idempotency_sql.probe_only', 'on', true);
+			ELSIF insert_at IS NOT NULL THEN
+				insert_every := LEAST(insert_every OPERATOR(pg_catalog.*) 2, '1 second'::interval);
+				insert_at := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) insert_every;
+			END IF;
+			PERFORM pg_catalog.set_config('idempotency_sql.unseen_insert', '', true);
+			-- (an error rolls the transaction-local settings back with it)
 			SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim()', key, request,
 				scope, lease, retention, session_bound, true);
+			PERFORM pg_catalog.set_config('idempotency_sql.probe_only', '', true);
+			IF insert_at IS NULL AND
+			   pg_catalog.current_setting('idempotency_sql.unseen_insert', true) OPERATOR(pg_catalog.=) 'on' THEN
+				insert_at := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) insert_every;
+			END IF;
 			EXIT WHEN w.outcome OPERATOR(pg_catalog.<>) 'in_progress' OR w.held;
 		END LOOP;
 	END IF;
