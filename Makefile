@@ -49,3 +49,9 @@ include $(PGXS)
 .PHONY: dist
 dist:
 	$(srcdir)/scripts/dist.sh $(CURDIR)
+
+# make sql-edition: the SQL edition's installers (pg_tle and plain), built
+# from sql-edition/ into dist/sql-edition/
+.PHONY: sql-edition
+sql-edition:
+	$(srcdir)/scripts/sql-edition.sh $(CURDIR)/dist/sql-edition
