@@ -34,10 +34,18 @@ newest=${versions[-1]}
 }
 comment=$(sed -n "s/^comment *= *'\(.*\)'.*/\1/p" "$root/idempotency.control")
 
+# The library version of this release (src/idempotency.h): idem_version()
+# of the newest script reports it, as the C edition's library does.
+library=$(sed -n 's/^#define IDEM_VERSION[[:space:]]*"\(.*\)".*/\1/p' "$root/src/idempotency.h")
+[[ $library == "$default".* ]] || {
+	echo "sql-edition: IDEM_VERSION ($library) is not a release of $default" >&2
+	exit 1
+}
+
 # The full script of a version.
 script_of() {
 	if [[ $1 == "$newest" ]]; then
-		cat "$src/idempotency.sql"
+		sed "s/@IDEM_VERSION@/$library/g" "$src/idempotency.sql"
 	elif [[ -f $src/idempotency--$1.sql ]]; then
 		cat "$src/idempotency--$1.sql"
 	else

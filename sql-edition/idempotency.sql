@@ -1798,13 +1798,14 @@ REVOKE ALL ON FUNCTION idempotency.idem_sweep(integer) FROM PUBLIC;
 
 /*
  * The version of the contract this edition implements, with the C
- * edition's library version number of the same release.
+ * edition's library version number of the same release (filled in by
+ * scripts/sql-edition.sh from src/idempotency.h).
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_version()
 RETURNS text
 LANGUAGE sql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
-RETURN '1.6.0';
+RETURN '@IDEM_VERSION@';
 
 /* ---------------------------------------------------------------------
  * Statistics (stats.c)
