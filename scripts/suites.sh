@@ -270,8 +270,11 @@ suite_tap() {
 	for ((i = 0; i < n; i++)); do
 		# Only this pool's own jobs count and are waited for: the shell may
 		# run others (the background build of later PostgreSQL versions).
+		# wait names every pid of the pool, also those reaped by an earlier
+		# wait, of which it would complain "no such job": only its own noise
+		# is dropped.
 		while (($(suite_running pids) >= SUITE_JOBS)); do
-			wait -n "${pids[@]}" || true
+			wait -n "${pids[@]}" 2>/dev/null || true
 			suite_tap_report "$src" files done
 		done
 		file=${files[i]}
@@ -289,7 +292,7 @@ suite_tap() {
 		) &
 		pids+=($!)
 	done
-	wait "${pids[@]}" || true
+	wait "${pids[@]}" 2>/dev/null || true
 	suite_tap_report "$src" files done
 }
 
