@@ -539,7 +539,8 @@ if any(r[1] in runs for r in SQL_ROWS):
         for k, v in extra.items():
             if k.startswith("sqlprof_%s." % name):
                 calls, total, self_ = v.split()
-                funcs.append((k.split(".", 1)[1], int(calls), float(total), float(self_)))
+                if int(calls):      # pg_stat_reset() leaves the functions called before it at 0
+                    funcs.append((k.split(".", 1)[1], int(calls), float(total), float(self_)))
         funcs.sort(key=lambda f: -f[3])
         top = [f for f in funcs if f[0] in ("idem_claim", "idem_finish")]
         client = sum(f[2] for f in top)
