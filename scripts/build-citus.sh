@@ -40,38 +40,14 @@ fi
 pkglibdir=$("$pg_config" --pkglibdir)
 extdir=$("$pg_config" --sharedir)/extension
 
-# The newest tarball by version number; none when the pattern matches nothing.
-pattern=${IDEM_CITUS_TARBALL:-$root/../shared/vendor/citus-*.tar.gz}
-tarball=$(compgen -G "$pattern" | sort -V | tail -n1) || true
-if [[ -z $tarball ]]; then
-	# A Citus installed by an earlier run still serves without its source.
-	if [[ -f $pkglibdir/citus.so ]] && compgen -G "$extdir/.citus-*-built" >/dev/null; then
-		echo "cached"
-		exit 0
-	fi
-	echo "Citus tests skipped: no Citus source tarball matches $pattern"
-	exit 3
-fi
-citus=$(basename "$tarball")
-citus=${citus#citus-}
-citus=${citus%.tar.gz}
-citus=${citus%.tgz}
-marker=$extdir/.citus-$citus-built
+# shellcheck source=scripts/vendored.sh
+source "$root/scripts/vendored.sh"
+vendored_select citus Citus "${IDEM_CITUS_TARBALL:-$root/../shared/vendor/citus-*.tar.gz}" citus.so \
+	"$pkglibdir" "$extdir"
+tarball=$VENDORED_TARBALL
+citus=$VENDORED_VERSION
 
-if [[ -f $pkglibdir/citus.so && -f $marker ]]; then
-	echo "cached"
-	exit 0
-fi
-
-need=()
-for p in gcc make liblz4-dev libzstd-dev libcurl4-openssl-dev libkrb5-dev; do
-	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
-done
-if ((${#need[@]})); then
-	say "apt-get install ${need[*]}"
-	DEBIAN_FRONTEND=noninteractive apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+vendored_apt say gcc make liblz4-dev libzstd-dev libcurl4-openssl-dev libkrb5-dev
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/build-citus.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -87,7 +63,5 @@ srcdir=$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -n1)
 	make -j "$(nproc)" >"$work/make.log" 2>&1 || { tail -n 30 "$work/make.log" >&2; exit 1; }
 	make install >"$work/install.log" 2>&1 || { tail -n 30 "$work/install.log" >&2; exit 1; }
 ) || exit 1
-# A marker of another version would make an older tarball look built.
-rm -f "$extdir"/.citus-*-built
-touch "$marker"
+vendored_built "$extdir" citus
 echo "installed Citus $citus into $pkglibdir"

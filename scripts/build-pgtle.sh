@@ -32,38 +32,14 @@ say() { echo "== build-pgtle (PostgreSQL $major): $*" >&2; }
 pkglibdir=$("$pg_config" --pkglibdir)
 extdir=$("$pg_config" --sharedir)/extension
 
-# The newest tarball by version number; none when the pattern matches nothing.
-pattern=${IDEM_PGTLE_TARBALL:-$root/../shared/vendor/pg_tle-*.tar.gz}
-tarball=$(compgen -G "$pattern" | sort -V | tail -n1) || true
-if [[ -z $tarball ]]; then
-	# A pg_tle installed by an earlier run still serves without its source.
-	if [[ -f $pkglibdir/pg_tle.so ]] && compgen -G "$extdir/.pg_tle-*-built" >/dev/null; then
-		echo "cached"
-		exit 0
-	fi
-	echo "pg_tle tests skipped: no pg_tle source tarball matches $pattern"
-	exit 3
-fi
-tle=$(basename "$tarball")
-tle=${tle#pg_tle-}
-tle=${tle%.tar.gz}
-tle=${tle%.tgz}
-marker=$extdir/.pg_tle-$tle-built
+# shellcheck source=scripts/vendored.sh
+source "$root/scripts/vendored.sh"
+vendored_select pg_tle pg_tle "${IDEM_PGTLE_TARBALL:-$root/../shared/vendor/pg_tle-*.tar.gz}" pg_tle.so \
+	"$pkglibdir" "$extdir"
+tarball=$VENDORED_TARBALL
+tle=$VENDORED_VERSION
 
-if [[ -f $pkglibdir/pg_tle.so && -f $marker ]]; then
-	echo "cached"
-	exit 0
-fi
-
-need=()
-for p in gcc make flex bison; do
-	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
-done
-if ((${#need[@]})); then
-	say "apt-get install ${need[*]}"
-	DEBIAN_FRONTEND=noninteractive apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+vendored_apt say gcc make flex bison
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/build-pgtle.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -79,7 +55,5 @@ srcdir=$(find "$work" -mindepth 1 -maxdepth 1 -type d | head -n1)
 	make install PG_CONFIG="$pg_config" >"$work/install.log" 2>&1 ||
 		{ tail -n 30 "$work/install.log" >&2; exit 1; }
 ) || exit 1
-# A marker of another version would make an older tarball look built.
-rm -f "$extdir"/.pg_tle-*-built
-touch "$marker"
+vendored_built "$extdir" pg_tle
 echo "installed pg_tle $tle into $pkglibdir"

@@ -135,16 +135,10 @@ if [[ -n ${IDEM_PG_SOURCE_ONLY:-} ]]; then
 	exit 0
 fi
 
-need=()
-for p in bison flex gcc make perl libreadline-dev zlib1g-dev libssl-dev libicu-dev pkg-config \
-	libipc-run-perl curl bzip2; do
-	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need+=("$p")
-done
-if ((${#need[@]})); then
-	say "apt-get install ${need[*]}"
-	DEBIAN_FRONTEND=noninteractive apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-fi
+# shellcheck source=scripts/vendored.sh
+source "$root/scripts/vendored.sh"
+vendored_apt say bison flex gcc make perl libreadline-dev zlib1g-dev libssl-dev libicu-dev pkg-config \
+	libipc-run-perl curl bzip2
 
 tar -C "$work" -xf "$tarball"
 srcdir=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'postgresql-*' | head -n1)
