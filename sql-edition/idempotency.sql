@@ -849,7 +849,9 @@ $$;
  * check meets it and would wait for that transaction.  Its own lock_timeout
  * makes the check give up after 1 ms instead (the caller answers
  * in_progress): the SQL edition's one wait on another transaction, the
- * shortest PostgreSQL offers.  Marking new keys with advisory locks held to
+ * shortest PostgreSQL offers.  The timeout covers every lock the write
+ * waits for; the caller tells a wait for a row of the key from the others
+ * by the error's context.  Marking new keys with advisory locks held to
  * commit would avoid it, but would hold a lock per key until commit.
  */
 CREATE OR REPLACE FUNCTION idempotency._write_claim(p_scope text, p_key text,
@@ -967,6 +969,9 @@ DECLARE
 	owner bigint;
 	new_attempt integer;
 	p_fp bytea;
+	round integer := 0;
+	stalls integer := 0;
+	ctx text;
 BEGIN
 	PERFORM idempotency._check_name(p_key, 'key', false);
 	PERFORM idempotency._check_name(p_scope, 'scope', true);
@@ -985,7 +990,9 @@ BEGIN
 	held := false;
 	h := idempotency._key_hash(p_scope, p_key);
 
-	FOR round IN 1..2 LOOP
+	LOOP
+		round := round OPERATOR(pg_catalog.+) 1;
+		EXIT WHEN round OPERATOR(pg_catalog.>) 2;
 		now := pg_catalog.clock_timestamp();
 		SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
 		-- claim_decide
@@ -1022,6 +1029,11 @@ BEGIN
 			action := 'takeover';
 		END IF;
 
+		-- The write's lock_timeout is meant for another transaction's row
+		-- of this key only: the table lock is waited for here, as the C
+		-- edition waits for it, so that a DDL or LOCK TABLE in progress
+		-- never reads as a busy key.
+		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
 		-- another backend is in this key's critical section right now
 		IF NOT pg_catalog.pg_try_advisory_lock(idempotency._lock_class(), h) THEN
 			outcome := 'in_progress'; retry_after := 1; busy := true;
@@ -1079,10 +1091,25 @@ BEGIN
 			END IF;
 		EXCEPTION
 			WHEN lock_not_available THEN
-				action := 'busy';
-				IF NOT p.present THEN
-					-- the insert met another transaction's uncommitted one
-					PERFORM pg_catalog.set_config('idempotency_sql.unseen_insert', 'on', true);
+				-- A wait for another transaction's row names that row version
+				-- ("while inserting index tuple (0,2) in relation ...", in
+				-- any language) in the innermost line of the context.  Any
+				-- other wait that outlasted the write's 1 ms (the extension
+				-- lock of the table or an index, taken while they grow) says
+				-- nothing about the key: write again, without counting a
+				-- round.
+				GET STACKED DIAGNOSTICS ctx = PG_EXCEPTION_CONTEXT;
+				IF pg_catalog.split_part(ctx, E'\n', 1) OPERATOR(pg_catalog.~) '[(][0-9]+,[0-9]+[)]' OR
+				   stalls OPERATOR(pg_catalog.>=) 1000 THEN
+					action := 'busy';
+					IF NOT p.present THEN
+						-- the insert met another transaction's uncommitted one
+						PERFORM pg_catalog.set_config('idempotency_sql.unseen_insert', 'on', true);
+					END IF;
+				ELSE
+					action := 'again';
+					stalls := stalls OPERATOR(pg_catalog.+) 1;
+					round := round OPERATOR(pg_catalog.-) 1;
 				END IF;
 			WHEN unique_violation THEN
 				IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
