@@ -152,8 +152,6 @@ grep -E '^(ok|not ok|#)' "$work/regress.out" || cat "$work/regress.out"
 # Failures by design: differences that no expected file hides, listed so
 # that a run says which of its failures are known (they still count).
 declare -A known=(
-	[finish_many]="the C edition names the failing element in the error's CONTEXT (\"idem_finish_many element N, key ...\"); PL/pgSQL cannot set an error's context (sql-edition/README.md)"
-	[batch_vs_single]="reads the element from the C edition's CONTEXT of idem_finish_many, as finish_many does"
 	[claim_repeatable_read]="under REPEATABLE READ a claim of a key changed after the snapshot raises 40001; the C edition answers from the newest committed row (sql-edition/README.md)"
 	[wait_wakeup]="a waiting claim meets an uncommitted insert in the unique check (1 ms lock_timeout, at most every 250 ms), which the isolation tester can see as a lock wait"
 	[batch_opposite_orders]="a claim meets another transaction's uncommitted insert in the unique check (1 ms lock_timeout), which the isolation tester sees as a lock wait when it looks then (more often on a loaded machine)"

@@ -355,6 +355,29 @@ BEGIN
 END;
 $$;
 
+/*
+ * Raise an error with these fields; an empty detail or hint is left out
+ * (RAISE takes no NULL option, and an empty one would still be printed).
+ */
+CREATE OR REPLACE FUNCTION idempotency._raise(state text, message text,
+	detail text, hint text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF detail OPERATOR(pg_catalog.<>) '' AND hint OPERATOR(pg_catalog.<>) '' THEN
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message, DETAIL = detail, HINT = hint;
+	ELSIF detail OPERATOR(pg_catalog.<>) '' THEN
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message, DETAIL = detail;
+	ELSIF hint OPERATOR(pg_catalog.<>) '' THEN
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message, HINT = hint;
+	ELSE
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message;
+	END IF;
+END;
+$$;
+
 /* Name a key in messages: "key" or "key" in scope "scope". */
 CREATE OR REPLACE FUNCTION idempotency._key_display(scope text, key text)
 RETURNS text
@@ -1581,6 +1604,10 @@ DECLARE
 	c integer[];
 	b jsonb[];
 	n integer;
+	e_state text;
+	e_message text;
+	e_detail text;
+	e_hint text;
 BEGIN
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(keys), 'keys', true, keys IS NULL);
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(tokens), 'tokens', true, tokens IS NULL);
@@ -1613,14 +1640,28 @@ BEGIN
 	PERFORM idempotency._check_status(status);
 	PERFORM idempotency._check_positive(retention, 'retention');
 	PERFORM idempotency._check_writable('idem_finish_many()');
-	FOR i IN 1..n LOOP
-		ord := i;
-		key := k[i];
-		SELECT w.result INTO expires_at
-		  FROM idempotency._w_token_call(current_user, 'finish', k[i], t[i], scope,
-			   c[i], b[i], status, retention, NULL) w;
-		RETURN NEXT;
-	END LOOP;
+	-- One block for the whole loop (a block per element would open a
+	-- subtransaction per key): the element that fails is in ord and key.
+	BEGIN
+		FOR i IN 1..n LOOP
+			ord := i;
+			key := k[i];
+			SELECT w.result INTO expires_at
+			  FROM idempotency._w_token_call(current_user, 'finish', k[i], t[i], scope,
+				   c[i], b[i], status, retention, NULL) w;
+			RETURN NEXT;
+		END LOOP;
+	EXCEPTION WHEN OTHERS THEN
+		-- the element's position and key before the message, every other
+		-- field as idem_finish raises it (a cancel is not caught: it is
+		-- about the statement, not an element)
+		GET STACKED DIAGNOSTICS e_state = RETURNED_SQLSTATE, e_message = MESSAGE_TEXT,
+			e_detail = PG_EXCEPTION_DETAIL, e_hint = PG_EXCEPTION_HINT;
+		PERFORM idempotency._raise(e_state,
+			pg_catalog.format('idem_finish_many element %s, key %s: %s', ord,
+				idempotency._key_display(scope, key), e_message),
+			e_detail, e_hint);
+	END;
 END;
 $$;
 

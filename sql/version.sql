@@ -3,6 +3,6 @@
 -- the extension version that CREATE EXTENSION installs with it
 --
 SELECT idempotency.idem_version();
-SELECT idempotency.idem_version() = '1.6.1' AS is_1_6_1;
+SELECT idempotency.idem_version() = '1.6.2' AS is_1_6_2;
 SELECT starts_with(idempotency.idem_version(), extversion || '.') AS starts_with_extversion
   FROM pg_extension WHERE extname = 'idempotency';

@@ -356,17 +356,19 @@ typedef struct FinishManyElement
 	TokenCall	call;
 } FinishManyElement;
 
-/* Name the batch element an error is about (an error context callback). */
+/*
+ * Raise again the error "edata" that element "ord" (key "key") of
+ * idem_finish_many raised, its message prefixed with the element's position
+ * and key: every field of the error stays as idem_finish would raise it,
+ * and a client reads the element from the message, where every edition of
+ * the extension can put it.
+ */
 static void
-finish_many_context(void *arg)
+finish_many_rethrow(ErrorData *edata, int ord, text *scope, text *key)
 {
-	const FinishManyElement *elem = (const FinishManyElement *) arg;
-
-	/* Between elements (an interrupt, say) there is no key to name. */
-	if (elem->call.key == NULL)
-		return;
-	errcontext("idem_finish_many element %d, key %s",
-			   elem->ord, idem_key_display(elem->call.scope, elem->call.key));
+	edata->message = psprintf("idem_finish_many element %d, key %s: %s", ord,
+							  idem_key_display(scope, key), edata->message);
+	ReThrowError(edata);
 }
 
 /*
@@ -376,7 +378,7 @@ finish_many_context(void *arg)
  *
  * All or nothing: each key is finished as idem_finish would, in array
  * order, and the first element that idem_finish would refuse raises its
- * error, with the element's position and key in the error's context.  The
+ * error, with the element's position and key before its message.  The
  * error aborts the statement, which undoes the elements finished before
  * it.  Every argument is checked before any key is touched.
  */
@@ -391,9 +393,12 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	text	   *scope;
 	IdemStatus	status;
 	Interval   *retention;
-	ErrorContextCallback errcb;
 	FinishManyElement elem;
-	int64		finished = 0;
+
+	/* the element being finished, read after an error (NULL between two) */
+	volatile int cur_ord = 0;
+	text	   *volatile cur_key = NULL;
+	volatile int64 finished = 0;
 	MemoryContext outer;
 	MemoryContext elem_cxt;
 
@@ -429,45 +434,61 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	outer = CurrentMemoryContext;
 	elem_cxt = AllocSetContextCreate(outer, "idem_finish_many element",
 									 ALLOCSET_DEFAULT_SIZES);
-	/* The callback reads elem from here on: it is valid at every point. */
-	memset(&elem, 0, sizeof(FinishManyElement));
-	errcb.callback = finish_many_context;
-	errcb.arg = &elem;
-	errcb.previous = error_context_stack;
-	error_context_stack = &errcb;
-	for (int i = 0; i < keys.n; i++)
+	PG_TRY();
 	{
-		Datum		values[3];
-		bool		nulls[3] = {0};
-		bool		has_code = codes.given && !codes.nulls[i];
-		bool		wrote;
+		for (int i = 0; i < keys.n; i++)
+		{
+			Datum		values[3];
+			bool		nulls[3] = {0};
+			bool		has_code = codes.given && !codes.nulls[i];
+			bool		wrote;
 
-		memset(&elem, 0, sizeof(FinishManyElement));
-		/* Between two elements: a cancel is taken here. */
-		IDEM_PAUSE("finish-many-element");
-		CHECK_FOR_INTERRUPTS();
-		/* What one element allocates is gone before the next. */
-		MemoryContextReset(elem_cxt);
-		MemoryContextSwitchTo(elem_cxt);
-		elem.ord = i + 1;
-		elem.call.kind = CALL_FINISH;
-		elem.call.key = (text *) DatumGetPointer(keys.elems[i]);
-		elem.call.scope = scope;
-		elem.call.token = DatumGetInt64(tokens.elems[i]);
-		values[0] = Int32GetDatum(i + 1);
-		values[1] = keys.elems[i];
-		values[2] = TimestampTzGetDatum(
-										finish_key(&elem.call, status, has_code,
-												   has_code ? DatumGetInt32(codes.elems[i]) : 0,
-												   (bodies.given && !bodies.nulls[i]) ?
-												   bodies.elems[i] : (Datum) 0,
-												   retention, &wrote));
-		finished += wrote;
-		MemoryContextSwitchTo(outer);
-		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
-							 nulls);
+			memset(&elem, 0, sizeof(FinishManyElement));
+			cur_key = NULL;
+			/* Between two elements: a cancel is taken here. */
+			IDEM_PAUSE("finish-many-element");
+			CHECK_FOR_INTERRUPTS();
+			/* What one element allocates is gone before the next. */
+			MemoryContextReset(elem_cxt);
+			MemoryContextSwitchTo(elem_cxt);
+			elem.ord = i + 1;
+			elem.call.kind = CALL_FINISH;
+			elem.call.key = (text *) DatumGetPointer(keys.elems[i]);
+			elem.call.scope = scope;
+			elem.call.token = DatumGetInt64(tokens.elems[i]);
+			cur_ord = elem.ord;
+			cur_key = elem.call.key;
+			values[0] = Int32GetDatum(i + 1);
+			values[1] = keys.elems[i];
+			values[2] = TimestampTzGetDatum(
+											finish_key(&elem.call, status, has_code,
+													   has_code ? DatumGetInt32(codes.elems[i]) : 0,
+													   (bodies.given && !bodies.nulls[i]) ?
+													   bodies.elems[i] : (Datum) 0,
+													   retention, &wrote));
+			finished += wrote;
+			MemoryContextSwitchTo(outer);
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
+								 nulls);
+		}
 	}
-	error_context_stack = errcb.previous;
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(outer);
+		edata = CopyErrorData();
+
+		/*
+		 * A cancel or a statement timeout is about the statement, not the
+		 * element it happened to interrupt.
+		 */
+		if (cur_key == NULL || edata->sqlerrcode == ERRCODE_QUERY_CANCELED)
+			PG_RE_THROW();
+		FlushErrorState();
+		finish_many_rethrow(edata, cur_ord, scope, cur_key);
+	}
+	PG_END_TRY();
 	MemoryContextDelete(elem_cxt);
 	/* counted once all are done: a refused batch finished nothing */
 	idem_stats_count(IDEM_STAT_FINISHES, finished);
