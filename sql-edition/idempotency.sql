@@ -110,9 +110,11 @@ SET search_path = pg_catalog, pg_temp
 RETURN 7655;
 
 /*
- * The 32-bit lock number of (scope, key): the scope's byte length first, so
- * that ("ab", "c") and ("a", "bc") differ.  A collision costs at worst a
- * brief in_progress: the table decides every outcome.
+ * The lock number of (scope, key), 31 bits (0 to 2^31 - 1): the scope's
+ * byte length first, so that ("ab", "c") and ("a", "bc") differ.  The
+ * negative numbers are the keys' insert marks (_mark_insert).  A collision
+ * costs at worst an in_progress while the other key is being written: the
+ * table decides every outcome.
  */
 CREATE OR REPLACE FUNCTION idempotency._key_hash(scope text, key text)
 RETURNS integer
@@ -120,7 +122,45 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text
 	OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) scope
-	OPERATOR(pg_catalog.||) key);
+	OPERATOR(pg_catalog.||) key) OPERATOR(pg_catalog.&) 2147483647;
+
+/*
+ * Before a claim inserts key "h" (holding its lock): false when another
+ * transaction's insert of the key is in flight, which SQL cannot see (no
+ * dirty read) and whose unique check would wait for that transaction.
+ * Such an insert holds the key's mark, the advisory lock (7655, -1 - h),
+ * until its transaction ends; asking for it in share mode answers without
+ * waiting.  Otherwise the caller is about to insert, and marks the key
+ * itself, at most 16 keys a transaction (the lock table is shared and a
+ * transaction may claim any number of keys) and never in a batch that
+ * would pass that number (idempotency_sql.no_marks).  An insert of an
+ * unmarked key is found by the insert's own unique check, under its 1 ms
+ * lock_timeout (_write_claim).  A mark taken in a subtransaction that
+ * rolls back is released with it, as the row is.
+ */
+CREATE OR REPLACE FUNCTION idempotency._mark_insert(h integer)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	m integer := -1 OPERATOR(pg_catalog.-) h;
+	marks integer;
+BEGIN
+	IF NOT pg_catalog.pg_try_advisory_lock_shared(idempotency._lock_class(), m) THEN
+		RETURN false;
+	END IF;
+	PERFORM pg_catalog.pg_advisory_unlock_shared(idempotency._lock_class(), m);
+	IF pg_catalog.current_setting('idempotency_sql.no_marks', true) IS DISTINCT FROM 'on' THEN
+		marks := COALESCE(NULLIF(pg_catalog.current_setting('idempotency_sql.marks', true), '')::integer, 0);
+		IF marks OPERATOR(pg_catalog.<) 16 AND pg_catalog.pg_try_advisory_xact_lock(idempotency._lock_class(), m) THEN
+			PERFORM pg_catalog.set_config('idempotency_sql.marks',
+				(marks OPERATOR(pg_catalog.+) 1)::text, true);
+		END IF;
+	END IF;
+	RETURN true;
+END;
+$$;
 
 /*
  * An idempotency.* setting as an interval.  Without the C library the
@@ -1067,6 +1107,10 @@ BEGIN
 			SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
 			IF p.busy THEN
 				action := 'busy';
+			ELSIF NOT p.present AND NOT idempotency._mark_insert(h) THEN
+				-- another transaction is inserting the key
+				action := 'busy';
+				PERFORM pg_catalog.set_config('idempotency_sql.unseen_insert', 'on', true);
 			ELSIF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
 				action := 'fresh';
 			ELSIF p.fingerprint IS DISTINCT FROM p_fp OR p.status OPERATOR(pg_catalog.<>) 'pending' OR
@@ -1267,6 +1311,7 @@ DECLARE
 	n integer;
 	w record;
 	claimed boolean := false;
+	no_marks text;
 BEGIN
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(keys), 'keys', true, keys IS NULL);
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(requests), 'requests', false, requests IS NULL);
@@ -1287,6 +1332,12 @@ BEGIN
 	END IF;
 	PERFORM idempotency._check_writable('idem_claim_many()');
 	PERFORM idempotency._tenant_check(current_user, scope);
+	-- a batch marks all its fresh keys or none (_mark_insert)
+	IF n OPERATOR(pg_catalog.>) (16 OPERATOR(pg_catalog.-)
+		COALESCE(NULLIF(pg_catalog.current_setting('idempotency_sql.marks', true), '')::integer, 0)) THEN
+		no_marks := COALESCE(pg_catalog.current_setting('idempotency_sql.no_marks', true), '');
+		PERFORM pg_catalog.set_config('idempotency_sql.no_marks', 'on', true);
+	END IF;
 	FOR i IN 1..n LOOP
 		SELECT * INTO w FROM idempotency._w_claim(current_user, 'idem_claim_many()', k[i], req[i],
 			scope, lease, retention, session_bound, false);
@@ -1297,6 +1348,9 @@ BEGIN
 		phase := w.phase; phase_data := w.phase_data;
 		RETURN NEXT;
 	END LOOP;
+	IF no_marks IS NOT NULL THEN
+		PERFORM pg_catalog.set_config('idempotency_sql.no_marks', no_marks, true);
+	END IF;
 	-- the rows leave when the function returns: one flush for all tokens
 	IF claimed THEN
 		PERFORM idempotency._flush_tokens();
