@@ -40,9 +40,9 @@ my $node = new_node('dump', port => 55444,
 	init => [ extra => [ '--encoding=UTF8', '--locale=C' ] ]);
 
 $node->safe_psql('postgres', 'CREATE DATABASE src');
+install_extension($node, 'src');
 $node->safe_psql(
 	'src', q{
-CREATE EXTENSION idempotency;
 CREATE ROLE tenant_a LOGIN;
 CREATE ROLE tenant_b LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO tenant_a, tenant_b;
