@@ -16,8 +16,9 @@
 # removed at exit (kept, with the results and diffs, when KEEP=1).  Tests
 # that exercise what the SQL edition cannot have are skipped with their
 # reason (the list below).  SUITE=isolation runs the isolation specs
-# instead (specs/pause_* need the C library's pause points: skipped).  A
-# run may also name only a subset with
+# instead (specs/pause_* need the C library's pause points: skipped);
+# SUITE=tap the TAP suites t/*.pl (each in nodes of its own, no cluster
+# here; see tap_suite).  A run may also name only a subset with
 # TESTS="claim finish"; NOSKIP=1 runs the skipped ones too.  Prints pg_regress's summary and "N of M passed".
 #
 # Exit status: 0 every test that ran passed; 1 some failed; 2 usage or
