@@ -16,8 +16,9 @@
 # removed at exit (kept, with the results and diffs, when KEEP=1).  Tests
 # that exercise what the SQL edition cannot have are skipped with their
 # reason (the list below).  SUITE=isolation runs the isolation specs
-# instead (specs/pause_* need the C library's pause points: skipped).  A
-# run may also name only a subset with
+# instead (specs/pause_* need the C library's pause points: skipped);
+# SUITE=tap the TAP suites t/*.pl (each in nodes of its own, no cluster
+# here; see tap_suite).  A run may also name only a subset with
 # TESTS="claim finish"; NOSKIP=1 runs the skipped ones too.  Prints pg_regress's summary and "N of M passed".
 #
 # Exit status: 0 every test that ran passed; 1 some failed; 2 usage or
@@ -64,6 +65,70 @@ if [[ $mode == pgtle ]]; then
 	((rc == 0)) || exit 2
 fi
 
+# SUITE=tap: prove over t/*.pl (or TESTS="001_restart 113_session_bound"),
+# one file at a time, in a copy of the tree, as the C edition's TAP suite
+# runs (scripts/suites.sh suite_tap), with IDEM_EDITION=MODE and
+# IDEM_SQL_EDITION_DIR set: t/lib/IdemTest.pm installs the SQL edition in
+# each node, and a file that tests what the SQL edition does not have by
+# design skips itself (or some of its checks) with the reason.  Each node
+# is a PostgreSQL::Test::Cluster of its own on a private Unix socket.
+# Prints each file's result, the skips with their reasons and "N of M
+# passed"; a failed file's log is copied to tmp_check/sql-edition-MODE-tap/.
+tap_suite() {
+	local pgxs=$pkglibdir/pgxs t file rc started log reason
+	local -a files=() passed=() failed=() skipped=()
+	if [[ -n ${TESTS:-} ]]; then
+		for t in $TESTS; do files+=("t/${t%.pl}.pl"); done
+	else
+		mapfile -t files < <(cd "$root" && ls t/*.pl | sort)
+	fi
+	mkdir -p "$work/src"
+	tar -C "$root" --exclude=./.git --exclude=./tmp_check --exclude=./log --exclude=./results \
+		--exclude=./dist -cf - . | tar -C "$work/src" -xf -
+	chown -R "${PG_OS_USER:-postgres}": "$work"
+	local home
+	home=$(getent passwd "${PG_OS_USER:-postgres}" | cut -d: -f6)
+	for file in "${files[@]}"; do
+		log=$work/tap-$(basename "$file" .pl).log
+		started=$SECONDS
+		rc=0
+		(cd "$work/src" && as_postgres timeout -k 30 "${FILE_TIMEOUT:-900}" env \
+			PATH="$bindir:$PATH" HOME="$home" LANG=C.UTF-8 \
+			IDEM_EDITION="$mode" IDEM_SQL_EDITION_DIR="$work/dist" \
+			PERL5LIB="$pgxs/src/test/perl${PERL5LIB:+:$PERL5LIB}" \
+			TESTDIR="$work/src" PG_REGRESS="$pgxs/src/test/regress/pg_regress" \
+			prove --verbose "$file") >"$log" 2>&1 || rc=$?
+		if reason=$(sed -n "s|^$file \.* *skipped: ||p" "$log") && [[ -n $reason ]]; then
+			skipped+=("$file: $reason")
+			echo "skip $file ($((SECONDS - started)) s): $reason"
+		elif ((rc == 0)); then
+			passed+=("$file")
+			echo "ok   $file ($((SECONDS - started)) s)"
+			# the checks a file skipped itself, each with its reason
+			sed -n 's/^ *ok [0-9]* # skip \(.*\)/\1/p' "$log" | uniq -c |
+				awk '{ n = $1; sub(/^ *[0-9]+ /, ""); print "    skipped " (n == 1 ? "check" : n " checks") ": " $0 }'
+		else
+			failed+=("$file")
+			echo "FAIL $file ($((SECONDS - started)) s, exit $rc)"
+			grep -E "^ *(not ok|#   Failed test|#   at |# +got:|# +expected:|# +doesn't match|# Looks like|# Tests were run)|Dubious|Parse errors" "$log" |
+				sed 's/^/    /' | head -60
+		fi
+	done
+	if ((${#failed[@]})); then
+		mkdir -p "$root/tmp_check/sql-edition-$mode-tap"
+		for file in "${failed[@]}"; do
+			t=$(basename "$file" .pl)
+			for log in "$work/src/tmp_check/log/regress_log_$t" "$work/src/log/regress_log_$t"; do
+				[[ -f $log ]] && cp "$log" "$root/tmp_check/sql-edition-$mode-tap/"
+			done
+		done
+		echo "logs of the failed files: tmp_check/sql-edition-$mode-tap/"
+	fi
+	local ran=$((${#files[@]} - ${#skipped[@]}))
+	echo "$mode tap: ${#passed[@]} of $ran passed, ${#skipped[@]} skipped"
+	((${#failed[@]} == 0))
+}
+
 work=$(mktemp -d "${TMPDIR:-/tmp}/sql-edition-test.XXXXXX")
 chmod 755 "$work"
 export PG_BIN=$bindir
@@ -80,6 +145,10 @@ cleanup() {
 trap cleanup EXIT
 
 "$root/scripts/sql-edition.sh" "$work/dist" >/dev/null
+if [[ ${SUITE:-regress} == tap ]]; then
+	tap_suite
+	exit $?
+fi
 mkdir -p "$work/cluster"
 chown -R "${PG_OS_USER:-postgres}": "$work"
 conf=("idempotency.sweep_interval = 0")

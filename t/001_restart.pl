@@ -29,7 +29,10 @@
 # only name the socket file, so concurrent runs do not collide.  No test
 # asserts anything about timing: leases are waited out by polling the table.
 # What the tests share (node set-up, SQL and its SQLSTATE, claims, waiting
-# for the worker) is in t/lib/IdemTest.pm; prove runs t/*.pl only.
+# for the worker) is in t/lib/IdemTest.pm; prove runs t/*.pl only.  The same
+# files test the SQL edition with IDEM_EDITION=plain or pgtle (see
+# IdemTest.pm), as `SUITE=tap scripts/sql-edition-test.sh MODE PG_CONFIG`
+# runs them.
 
 use strict;
 use warnings FATAL => 'all';

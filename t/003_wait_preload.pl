@@ -48,7 +48,7 @@ sub start_waiter
 	my $w = { name => $name, s => $s, pid => $pid, buf => $buf };
 	ok( $node->poll_query_until(
 			'postgres',
-			"SELECT wait_event_type = 'Extension' FROM pg_stat_activity "
+			"SELECT $CLAIM_WAITING FROM pg_stat_activity "
 			  . "WHERE pid = $pid"),
 		"$name: the waiter sleeps in idem_claim");
 	return $w;
@@ -258,7 +258,7 @@ is_deeply([ @$r{qw(outcome status response_code body_md5)} ],
 	'after-crash: the waiter replays after the commit');
 
 # No waiter is left behind.
-is( sql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Extension' AND backend_type = 'client backend'"),
+is( sql("SELECT count(*) FROM pg_stat_activity WHERE $CLAIM_WAITING AND backend_type = 'client backend'"),
 	'0', 'no backend is left waiting');
 
 $node->stop;

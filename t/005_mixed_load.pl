@@ -85,7 +85,7 @@ my $min_transactions = 1000;
 # Errors are still logged, each with its statement.
 my $node = new_node('mixed', port => 55450,
 	conf => ["idempotency.sweep_interval = '1s'", 'log_statement = none']);
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+install_extension($node, 'postgres');
 $node->safe_psql('postgres', 'CREATE EXTENSION amcheck');
 
 sub sql { return $node->safe_psql('postgres', $_[0]); }
@@ -149,23 +149,28 @@ cmp_ok($transactions, '>', $min_transactions,
 
 # --- what the load did, by the stats counters ---------------------------------
 
-my ($claims, $replays, $in_progress, $mismatches, $finishes, $releases) =
-  split /\|/, sql(
-	"SELECT claims, replays, in_progress, mismatches, finishes, releases "
-	  . "FROM idempotency.stats WHERE database = current_database()");
-note "claims $claims, replays $replays, in_progress $in_progress, "
-  . "finishes $finishes, releases $releases";
-cmp_ok($claims,      '>', 0, 'claims answered claimed');
-cmp_ok($finishes,    '>', 0, 'claims were finished');
-cmp_ok($releases,    '>', 0, 'claims were released');
-cmp_ok($replays,     '>', 0, 'claims answered replay');
-cmp_ok($in_progress, '>', 0, 'claims answered in_progress');
-is($mismatches, '0',
-	'no claim answered mismatch (a key\'s request never changes)');
-cmp_ok($claims + $replays + $in_progress, '>=', $transactions,
-	'every transaction\'s claim is counted');
-cmp_ok($finishes + $releases, '<=', $claims,
-	'at most one finish or release per claim');
+SKIP:
+{
+	skip 'SQL edition: the stats counters are NULL (they live in the C library\'s shared memory)', 8
+	  if sql_edition();
+	my ($claims, $replays, $in_progress, $mismatches, $finishes, $releases) =
+	  split /\|/, sql(
+		"SELECT claims, replays, in_progress, mismatches, finishes, releases "
+		  . "FROM idempotency.stats WHERE database = current_database()");
+	note "claims $claims, replays $replays, in_progress $in_progress, "
+	  . "finishes $finishes, releases $releases";
+	cmp_ok($claims,      '>', 0, 'claims answered claimed');
+	cmp_ok($finishes,    '>', 0, 'claims were finished');
+	cmp_ok($releases,    '>', 0, 'claims were released');
+	cmp_ok($replays,     '>', 0, 'claims answered replay');
+	cmp_ok($in_progress, '>', 0, 'claims answered in_progress');
+	is($mismatches, '0',
+		'no claim answered mismatch (a key\'s request never changes)');
+	cmp_ok($claims + $replays + $in_progress, '>=', $transactions,
+		'every transaction\'s claim is counted');
+	cmp_ok($finishes + $releases, '<=', $claims,
+		'at most one finish or release per claim');
+}
 
 # --- the stored rows ----------------------------------------------------------
 
@@ -188,14 +193,26 @@ is(sql("SET enable_indexscan = off; SET enable_indexonlyscan = off; "
 		. "SELECT count(*) = count(DISTINCT (scope, key)) FROM idempotency.keys"),
 	't', 'no key is stored twice (by a sequential scan)');
 
-# --- the worker sweeps after the load -----------------------------------------
+# --- sweeps after the load (the worker's, or the application's) -----------------
 
-ok( $node->poll_query_until('postgres',
-		"SELECT expired > 0 FROM idempotency.stats "
-		  . "WHERE database = current_database()"),
-	'keys past their retention were deleted by sweeps (expired > 0)');
-note 'expired ' . sql("SELECT expired FROM idempotency.stats "
-	  . "WHERE database = current_database()");
+if (sql_edition())
+{
+	# No worker and no counters: the application's sweep, called here as
+	# the clients called it during the load, deletes the keys that went past
+	# their retention since.
+	ok( $node->poll_query_until('postgres',
+			"SELECT expired > 0 FROM idempotency.idem_sweep()"),
+		'keys past their retention were deleted by sweeps (expired > 0)');
+}
+else
+{
+	ok( $node->poll_query_until('postgres',
+			"SELECT expired > 0 FROM idempotency.stats "
+			  . "WHERE database = current_database()"),
+		'keys past their retention were deleted by sweeps (expired > 0)');
+	note 'expired ' . sql("SELECT expired FROM idempotency.stats "
+		  . "WHERE database = current_database()");
+}
 
 # --- amcheck ------------------------------------------------------------------
 

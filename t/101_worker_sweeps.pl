@@ -25,6 +25,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"the background worker sweeps here; the SQL edition has none (sweeping is idem_sweep() from the application or pg_cron)");
+
 my $node = new_node('sweeps', port => 55444,
 	conf => ["idempotency.sweep_interval = '300ms'"]);
 

@@ -23,6 +23,9 @@ use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+
+skip_sql_edition(
+	"tests the background worker's sweep_interval and sweep_batch on reload; the SQL edition has no worker");
 use Time::HiRes qw(usleep);
 
 my $node = new_node('interval', port => 55445,

@@ -27,6 +27,9 @@ use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+
+skip_sql_edition(
+	"kills and terminates the background worker's launcher and sweeper; the SQL edition has no worker");
 use IPC::Run;
 use Time::HiRes qw(usleep);
 

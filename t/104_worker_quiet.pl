@@ -21,6 +21,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests the background worker's launcher in databases without the extension; the SQL edition has no worker");
+
 my $node = new_node('quiet', port => 55447,
 	conf => ["idempotency.sweep_interval = '100ms'"]);
 

@@ -28,6 +28,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests database DDL while the background worker sweeps; the SQL edition has no worker");
+
 my $node = new_node('ddl', port => 55448,
 	conf => [ "idempotency.sweep_interval = '100ms'", 'idempotency.sweep_batch = 10' ]);
 

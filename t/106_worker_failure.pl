@@ -30,6 +30,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests how the background worker logs and backs off from failing sweeps; the SQL edition has no worker");
+
 my $node = new_node('failure', port => 55449,
 	conf => [ "idempotency.sweep_interval = '200ms'", 'log_error_verbosity = verbose' ]);
 

@@ -27,6 +27,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests the stats counters, which live in the C library's shared memory (NULL in the SQL edition), and the worker's sweeps");
+
 my $node = new_node('stats', port => 55444,
 	conf => ["idempotency.sweep_interval = '200ms'"]);
 

@@ -22,6 +22,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests the background worker on a primary, a hot standby and after promotion; the SQL edition has no worker (202_standby_failover covers its replicas)");
+
 my $primary = new_node('primary', port => 55446, init => [ allows_streaming => 1 ],
 	conf => ["idempotency.sweep_interval = '200ms'"], extension => 1);
 

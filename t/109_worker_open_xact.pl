@@ -21,6 +21,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests the background worker next to open transactions; the SQL edition has no worker");
+
 my $node = new_node('openxact', port => 55448,
 	conf => ["idempotency.sweep_interval = '200ms'"]);
 

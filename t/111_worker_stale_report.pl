@@ -39,6 +39,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests the background worker's launcher and sweeper reports at the C library's pause points; the SQL edition has no worker");
+
 my $node = new_node('stale', port => 55452,
 	conf => ["idempotency.sweep_interval = '200ms'"]);
 

@@ -73,13 +73,26 @@ sub bound_claim
 		"SELECT $CLAIM_COLS FROM idempotency.idem_claim($args, session_bound => true)"));
 }
 
-# The binding number whose lock backend $pid holds ('' when none).
+# The binding number whose lock backend $pid holds ('' when none).  The
+# SQL edition holds no binding lock: its binding is the backend's pid and
+# the millisecond it started (pid << 41 | start mod 2^41), read from the
+# activity list ('' once the backend is gone).
 sub binding_of
 {
 	my ($pid) = @_;
 	return sql("SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks "
-		  . "WHERE $binding_lock AND pid = $pid");
+		  . "WHERE $binding_lock AND pid = $pid")
+	  unless sql_edition();
+	return sql("SELECT (pid::bigint << 41) | "
+		  . "(floor(extract(epoch FROM backend_start) * 1000)::bigint & 2199023255551) "
+		  . "FROM pg_stat_activity WHERE pid = $pid");
 }
+
+# Why the SQL edition skips the checks of the binding lock and of settings.
+my $no_binding_lock =
+  'SQL edition: a binding is the session\'s pid and backend start, held by no lock';
+my $no_show =
+  'SQL edition: the settings are placeholders without the C library (SHOW fails until one is set)';
 
 # "status,attempt,token is null,owner_session" of key $key.
 sub key_state
@@ -120,7 +133,11 @@ sub taken_over_at_once
 }
 
 is(sql('SHOW max_locks_per_transaction'), '64', 'max_locks_per_transaction has its default');
-is(sql('SHOW idempotency.lease'),         '30s', 'idempotency.lease has its default');
+SKIP:
+{
+	skip $no_show, 1 if sql_edition();
+	is(sql('SHOW idempotency.lease'), '30s', 'idempotency.lease has its default');
+}
 
 ###############################################################################
 # kill -9 of the owner's client
@@ -177,7 +194,7 @@ $w->query_until(qr/waiting\n/,
 	    "\\echo waiting\nSELECT $CLAIM_COLS FROM idempotency.idem_claim('waited', "
 	  . "lease => '1 hour', wait => '60s');\n\\echo done\n");
 ok( $node->poll_query_until('postgres',
-		"SELECT wait_event_type = 'Extension' FROM pg_stat_activity WHERE pid = $w_pid"),
+		"SELECT $CLAIM_WAITING FROM pg_stat_activity WHERE pid = $w_pid"),
 	'waiter: the claim sleeps in its wait');
 my $t0 = time();
 is(sql("SELECT pg_terminate_backend($pid)"), 't', 'waiter: the owner is terminated');
@@ -208,8 +225,12 @@ foreach my $k (qw(live-1 live-2 live-3))
 	$tok{$k} = $c->{token};
 }
 $binding = binding_of($pid);
-is(sql("SELECT count(*) FROM pg_locks WHERE $binding_lock AND pid = $pid"), '1',
-	'live: three keys, one binding lock');
+SKIP:
+{
+	skip $no_binding_lock, 1 if sql_edition();
+	is(sql("SELECT count(*) FROM pg_locks WHERE $binding_lock AND pid = $pid"), '1',
+		'live: three keys, one binding lock');
+}
 is( sql("SELECT string_agg(DISTINCT owner_session::text, ',') FROM idempotency.keys "
 		  . "WHERE key LIKE 'live-%'"),
 	$binding, 'live: the three keys are bound to it');
@@ -251,8 +272,12 @@ is(key_rows($node, 'postgres', "'live-1', 'live-2', 'live-3'"), $live_rows,
 is( sql("SELECT count(*) FROM idempotency.keys WHERE key LIKE 'live-%' "
 		  . "AND (status = 'pending' OR owner_session IS NOT NULL)"),
 	'0', 'live: no pending key, no owner_session left');
-is(sql("SELECT count(*) FROM pg_locks WHERE $binding_lock"), '0',
-	'live: no binding lock is left');
+SKIP:
+{
+	skip $no_binding_lock, 1 if sql_edition();
+	is(sql("SELECT count(*) FROM pg_locks WHERE $binding_lock"), '0',
+		'live: no binding lock is left');
+}
 is_deeply(claim($node, 'postgres', q{'live-1', request => '{"k": "live-1"}'}),
 	replay_row('succeeded', 200, undef), 'live: live-1 replays');
 
@@ -274,14 +299,22 @@ is( $s->query_safe(
 		  . "FROM generate_series(1, $n) AS i, "
 		  . "LATERAL idempotency.idem_claim('s-' || i, session_bound => true) AS c"),
 	$n, "batch: $n idem_claim calls claim $n more keys in one transaction");
-is(sql("SELECT count(*) FROM pg_locks WHERE $binding_lock AND pid = $pid"), '1',
-	'batch: the open transaction holds one binding lock');
+SKIP:
+{
+	skip $no_binding_lock, 1 if sql_edition();
+	is(sql("SELECT count(*) FROM pg_locks WHERE $binding_lock AND pid = $pid"), '1',
+		'batch: the open transaction holds one binding lock');
+}
 $s->query_safe('COMMIT');
 $binding = binding_of($pid);
-is( sql("SELECT string_agg(concat_ws(' ', locktype, objsubid, mode), ',') FROM pg_locks "
-		  . "WHERE pid = $pid AND locktype = 'advisory'"),
-	'advisory 7656 ExclusiveLock',
-	'batch: after the commit the session holds the binding lock and no other advisory lock');
+SKIP:
+{
+	skip $no_binding_lock, 1 if sql_edition();
+	is( sql("SELECT string_agg(concat_ws(' ', locktype, objsubid, mode), ',') FROM pg_locks "
+			  . "WHERE pid = $pid AND locktype = 'advisory'"),
+		'advisory 7656 ExclusiveLock',
+		'batch: after the commit the session holds the binding lock and no other advisory lock');
+}
 is( sql("SELECT count(*) FILTER (WHERE owner_session = $binding AND status = 'pending' "
 		  . "AND attempt = 1) FROM idempotency.keys WHERE key ~ '^[ms]-'"),
 	2 * $n, 'batch: all of them are pending and bound to that one binding');
@@ -299,7 +332,11 @@ is( sql("SELECT count(*) FROM idempotency.keys WHERE key LIKE 'm-%' AND status =
 	$n, 'batch: they are pending under the takeovers, bound to no session');
 # As documented: call idem_sweep() again while it returns a full batch
 # (idempotency.sweep_batch, 1000, by default).
-is(sql('SHOW idempotency.sweep_batch'), '1000', 'batch: sweep_batch has its default');
+SKIP:
+{
+	skip $no_show, 1 if sql_edition();
+	is(sql('SHOW idempotency.sweep_batch'), '1000', 'batch: sweep_batch has its default');
+}
 my ($expired, $reset, $calls, $last) = (0, 0, 0, '');
 while ($calls++ < 100)
 {
@@ -347,55 +384,60 @@ taken_over_at_once('backend-killed', $c, 'backend killed');
 ###############################################################################
 # With the worker on, it resets such keys by itself
 ###############################################################################
-alter_system($node, 'idempotency.sweep_interval', '100ms');
-ok($node->poll_query_until('postgres',
-		"SELECT current_setting('idempotency.sweep_interval') = '100ms'"),
-	'worker: sweep_interval is 100ms');
-
-# An owner killed with its backend.
-($s, $pid) = owner();
-$c = bound_claim($s, "'worker-crash', lease => '1 hour'");
-is($c->{outcome}, 'claimed', 'worker, backend killed: claimed, session-bound');
-kill_backend($node, $pid, 'worker, backend killed');
-eval { $s->quit; };
-ok( $node->poll_query_until('postgres',
-		"SELECT token IS NULL FROM idempotency.keys WHERE key = 'worker-crash'"),
-	'worker, backend killed: the worker resets the key');
-is(key_state('worker-crash'), 'pending,1,t,none',
-	'worker, backend killed: pending, attempt 1, no token, no binding');
-$c = claim($node, 'postgres', "'worker-crash', lease => '1 hour'");
-is($c->{outcome} . ',' . $c->{attempt}, 'claimed,2',
-	'worker, backend killed: the next claim is attempt 2');
-
-# A terminated owner beside a live one: nobody claims their keys.
-my ($ls, $lpid) = owner();
-my $lc = bound_claim($ls, "'worker-live', lease => '1 hour'");
-is($lc->{outcome}, 'claimed', 'worker: the live owner claimed');
-my $live_binding = binding_of($lpid);
-($s, $pid) = owner();
-foreach my $k (qw(worker-dead-1 worker-dead-2))
+SKIP:
 {
-	$c = bound_claim($s, "'$k', lease => '1 hour'");
-	is($c->{outcome}, 'claimed', "worker: the doomed owner claimed $k");
-}
-is(sql("SELECT pg_terminate_backend($pid)"), 't', 'worker: the doomed owner is terminated');
-ok(backend_gone($node, $pid), 'worker: its backend has ended');
-eval { $s->quit; };
-ok( $node->poll_query_until('postgres',
-		    "SELECT bool_and(token IS NULL) FROM idempotency.keys "
-		  . "WHERE key IN ('worker-dead-1', 'worker-dead-2')"),
-	'worker: the worker resets the terminated owner\'s keys');
-is(key_state($_), 'pending,1,t,none', "worker: $_ is reset") foreach qw(worker-dead-1 worker-dead-2);
-# Another round after the reset has passed over the live key too.
-ok(wait_next_sweep($node, 'postgres'), 'worker: the worker swept again');
-is(key_state('worker-live'), "pending,1,f,$live_binding",
-	'worker: the live owner\'s key stays pending and bound');
-is( sql("SELECT token FROM idempotency.keys WHERE key = 'worker-live'"),
-	$lc->{token}, 'worker: with its token');
-is( $ls->query_safe("SELECT idempotency.idem_finish('worker-live', $lc->{token}, 200) IS NOT NULL"),
-	't', 'worker: the live owner finishes its key');
-$ls->quit;
+	skip 'SQL edition: no background worker (a dead owner\'s keys are reset by idem_sweep(), above)', 20
+	  if sql_edition();
+	alter_system($node, 'idempotency.sweep_interval', '100ms');
+	ok($node->poll_query_until('postgres',
+			"SELECT current_setting('idempotency.sweep_interval') = '100ms'"),
+		'worker: sweep_interval is 100ms');
 
-stop_sweeping($node);
+	# An owner killed with its backend.
+	($s, $pid) = owner();
+	$c = bound_claim($s, "'worker-crash', lease => '1 hour'");
+	is($c->{outcome}, 'claimed', 'worker, backend killed: claimed, session-bound');
+	kill_backend($node, $pid, 'worker, backend killed');
+	eval { $s->quit; };
+	ok( $node->poll_query_until('postgres',
+			"SELECT token IS NULL FROM idempotency.keys WHERE key = 'worker-crash'"),
+		'worker, backend killed: the worker resets the key');
+	is(key_state('worker-crash'), 'pending,1,t,none',
+		'worker, backend killed: pending, attempt 1, no token, no binding');
+	$c = claim($node, 'postgres', "'worker-crash', lease => '1 hour'");
+	is($c->{outcome} . ',' . $c->{attempt}, 'claimed,2',
+		'worker, backend killed: the next claim is attempt 2');
+
+	# A terminated owner beside a live one: nobody claims their keys.
+	my ($ls, $lpid) = owner();
+	my $lc = bound_claim($ls, "'worker-live', lease => '1 hour'");
+	is($lc->{outcome}, 'claimed', 'worker: the live owner claimed');
+	my $live_binding = binding_of($lpid);
+	($s, $pid) = owner();
+	foreach my $k (qw(worker-dead-1 worker-dead-2))
+	{
+		$c = bound_claim($s, "'$k', lease => '1 hour'");
+		is($c->{outcome}, 'claimed', "worker: the doomed owner claimed $k");
+	}
+	is(sql("SELECT pg_terminate_backend($pid)"), 't', 'worker: the doomed owner is terminated');
+	ok(backend_gone($node, $pid), 'worker: its backend has ended');
+	eval { $s->quit; };
+	ok( $node->poll_query_until('postgres',
+			    "SELECT bool_and(token IS NULL) FROM idempotency.keys "
+			  . "WHERE key IN ('worker-dead-1', 'worker-dead-2')"),
+		'worker: the worker resets the terminated owner\'s keys');
+	is(key_state($_), 'pending,1,t,none', "worker: $_ is reset") foreach qw(worker-dead-1 worker-dead-2);
+	# Another round after the reset has passed over the live key too.
+	ok(wait_next_sweep($node, 'postgres'), 'worker: the worker swept again');
+	is(key_state('worker-live'), "pending,1,f,$live_binding",
+		'worker: the live owner\'s key stays pending and bound');
+	is( sql("SELECT token FROM idempotency.keys WHERE key = 'worker-live'"),
+		$lc->{token}, 'worker: with its token');
+	is( $ls->query_safe("SELECT idempotency.idem_finish('worker-live', $lc->{token}, 200) IS NOT NULL"),
+		't', 'worker: the live owner finishes its key');
+	$ls->quit;
+
+	stop_sweeping($node);
+}
 $node->stop;
 done_testing();

@@ -21,6 +21,9 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
+skip_sql_edition(
+	"tests when the background worker scans for the keys of ended sessions; the SQL edition has no worker (it checks owners at the next claim or sweep)");
+
 my $node = new_node('sessionscan', port => 55455,
 	conf => ["idempotency.sweep_interval = '100ms'"], extension => 1);
 

@@ -40,9 +40,9 @@ my $node = new_node('dump', port => 55444,
 	init => [ extra => [ '--encoding=UTF8', '--locale=C' ] ]);
 
 $node->safe_psql('postgres', 'CREATE DATABASE src');
+install_extension($node, 'src');
 $node->safe_psql(
 	'src', q{
-CREATE EXTENSION idempotency;
 CREATE ROLE tenant_a LOGIN;
 CREATE ROLE tenant_b LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO tenant_a, tenant_b;
@@ -172,8 +172,12 @@ my %src = (
 	count    => sql('src', 'SELECT count(*) FROM idempotency.keys'),
 	version  => sql('src', "SELECT extversion FROM pg_extension WHERE extname = 'idempotency'"));
 is($src{count}, 9, 'src: nine stored keys');
+# pg_tle lists the extensions it registered in pgtle.available_extensions(),
+# not in pg_available_extensions.
+my $available =
+  $EDITION eq 'pgtle' ? 'pgtle.available_extensions()' : 'pg_available_extensions';
 is( $src{version},
-	sql('src', "SELECT default_version FROM pg_available_extensions WHERE name = 'idempotency'"),
+	sql('src', "SELECT default_version FROM $available WHERE name = 'idempotency'"),
 	'src: the newest version is installed');
 is($src{bindings}, 'tenant_a=a:,tenant_b=b:', 'src: two scope bindings');
 is($src{grants}, 'true,true,false', 'src: tenants have USAGE, not idem_sweep');
@@ -187,8 +191,10 @@ $node->command_ok(
 	[ 'pg_dump', '-Fp', '-d', $node->connstr('src'), '-f', "$dir/src.sql" ],
 	'pg_dump (plain format) of the source database');
 
-sql('postgres', 'CREATE DATABASE dst_custom');
-sql('postgres', 'CREATE DATABASE dst_plain');
+# From template0: with pg_tle, template1 has pg_tle and the registration of
+# idempotency already, which the dump carries itself.
+sql('postgres', 'CREATE DATABASE dst_custom TEMPLATE template0');
+sql('postgres', 'CREATE DATABASE dst_plain TEMPLATE template0');
 $node->command_ok(
 	[
 		'pg_restore', '--exit-on-error', '-d', $node->connstr('dst_custom'),

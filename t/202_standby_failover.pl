@@ -37,9 +37,9 @@ use Test::More;
 
 my $primary = new_node('primary', port => 55445,
 	init => [ allows_streaming => 1, extra => [ '--encoding=UTF8', '--locale=C' ] ]);
+install_extension($primary, 'postgres');
 $primary->safe_psql(
 	'postgres', q{
-CREATE EXTENSION idempotency;
 CREATE ROLE app LOGIN;
 CREATE ROLE tenant LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO app, tenant;
@@ -301,9 +301,14 @@ is($new->safe_psql('postgres', "SELECT attempt FROM idempotency.idem_lookup('dea
 	'2', 'new primary: lookup reports attempt 2');
 
 # The new primary counts (its counters started at the promotion's server start).
-cmp_ok($new->safe_psql('postgres',
-		"SELECT claims FROM idempotency.stats WHERE database = current_database()"),
-	'>=', 2, 'new primary: stats counts its claims');
+SKIP:
+{
+	skip 'SQL edition: the stats counters are NULL (they live in the C library\'s shared memory)', 1
+	  if sql_edition();
+	cmp_ok($new->safe_psql('postgres',
+			"SELECT claims FROM idempotency.stats WHERE database = current_database()"),
+		'>=', 2, 'new primary: stats counts its claims');
+}
 
 # The new primary sweeps.
 is(sqlstate_of($new, 'postgres', 'SELECT * FROM idempotency.idem_sweep()'),

@@ -78,9 +78,9 @@ my $started = $node->safe_psql('postgres', 'SELECT pg_postmaster_start_time()');
 
 my $TENANT_PREFIX = "t\x{eb}nant:";    # "tënant:" (ë is two bytes)
 
+install_extension($node, 'postgres');
 $node->safe_psql(
 	'postgres', qq{
-CREATE EXTENSION idempotency;
 CREATE ROLE app LOGIN;
 CREATE ROLE tenant LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO app, tenant;
@@ -133,8 +133,13 @@ RETURN (SELECT coalesce(md5(string_agg(ctid::text || ':' || xmin::text, ',' ORDE
 is( $node->safe_psql('postgres',
 		"SELECT pg_column_size(h.j('bigstr', '" . ($LIMIT - 8) . "')) - 4"),
 	$LIMIT, 'a jsonb string of limit - 8 characters is exactly max_response_size bytes');
-is($node->safe_psql('postgres', "SHOW idempotency.max_response_size"),
-	'1MB', 'max_response_size is the default 1MB');
+SKIP:
+{
+	skip 'SQL edition: the settings are placeholders without the C library (SHOW fails until one is set)', 1
+	  if sql_edition();
+	is($node->safe_psql('postgres', "SHOW idempotency.max_response_size"),
+		'1MB', 'max_response_size is the default 1MB');
+}
 
 # --- the generator -----------------------------------------------------------
 

@@ -68,7 +68,8 @@ SELECT idempotency.bind_scope('tenant_u', 'ü:');
 SELECT idempotency.bind_scope('tenant_m', 'm:');
 SELECT idempotency.bind_scope('svc', 's:');
 };
-$node->safe_psql('postgres', "CREATE EXTENSION idempotency;\n$setup_roles");
+install_extension($node, 'postgres');
+$node->safe_psql('postgres', $setup_roles);
 
 sub sql { return $node->safe_psql('postgres', $_[0]); }
 
@@ -168,8 +169,13 @@ refused_by_binding('tenant_u',
 	'tenant_u: claim in a decomposed look-alike of ü:');
 
 # --- what is not a boundary ----------------------------------------------------
-is(state_as('tenant_a', "SET idempotency.scope = 'b:'"), '42602',
-	'no idempotency.* setting selects a scope (reserved prefix: 42602)');
+SKIP:
+{
+	skip 'SQL edition: the settings are placeholders without the C library, which reserves the prefix', 1
+	  if sql_edition();
+	is(state_as('tenant_a', "SET idempotency.scope = 'b:'"), '42602',
+		'no idempotency.* setting selects a scope (reserved prefix: 42602)');
+}
 refused_by_binding('tenant_a',
 	"SET app.tenant = 'b:'; SET application_name = 'b:'; "
 	  . "SELECT * FROM idempotency.idem_lookup('done', 'b:x')",
@@ -199,15 +205,35 @@ refused_by_binding('tenant_a', 'SELECT * FROM public.b_done', 'b:x',
 refused_by_binding('tenant_a', "SELECT public.invoker_lookup('done', 'b:x')", 'b:x',
 	'tenant_a through a SECURITY INVOKER function');
 
-# SECURITY DEFINER: the owner calls the function, so the owner's binding applies.
+# SECURITY DEFINER: the owner calls the function, so the owner's binding
+# applies.  The SQL edition's workers cannot tell a calling function's owner
+# from a role name passed to them directly, so where the session could not
+# SET ROLE to that owner they apply the session user's binding too: the
+# tenant stays inside its own prefix (stricter, never looser).
 ($st, $out) = as('tenant_a', "SELECT public.svc_claim('k', 's:x')");
-is("$st $out", '00000 claimed:svc',
-	'tenant_a through svc\'s SECURITY DEFINER function: claims in s:x (svc\'s prefix), as svc');
+if (sql_edition())
+{
+	is($st, '42501',
+		'SQL edition: tenant_a through svc\'s SECURITY DEFINER function in s:x is held to its own binding too');
+}
+else
+{
+	is("$st $out", '00000 claimed:svc',
+		'tenant_a through svc\'s SECURITY DEFINER function: claims in s:x (svc\'s prefix), as svc');
+}
 refused_by_binding('tenant_a', "SELECT public.svc_claim('k2', 'a:x')", 'a:x',
 	'tenant_a through svc\'s SECURITY DEFINER function in a:x (tenant_a\'s own prefix does not count)');
 ($st, $out) = as('tenant_a', "SELECT public.super_lookup('done', 'b:x')");
-is("$st $out", '00000 succeeded',
-	'tenant_a through a superuser-owned SECURITY DEFINER function is unrestricted (documented: the owner is the caller)');
+if (sql_edition())
+{
+	is($st, '42501',
+		'SQL edition: tenant_a through a superuser-owned SECURITY DEFINER function is held to its own binding too');
+}
+else
+{
+	is("$st $out", '00000 succeeded',
+		'tenant_a through a superuser-owned SECURITY DEFINER function is unrestricted (documented: the owner is the caller)');
+}
 
 # Membership: inherited privileges do not lift the binding; SET ROLE does.
 refused_by_binding('tenant_m', "SELECT * FROM idempotency.idem_lookup('done', 'b:x')", 'b:x',
@@ -309,7 +335,9 @@ is(in_session("SELECT status FROM idempotency.idem_lookup('done', 'b:x')"),
 sql("SELECT idempotency.bind_scope('tenant_a', 'a:')");
 like(in_session("SELECT outcome FROM idempotency.idem_claim('x', scope => 'b:x')"),
 	qr/^42501\|/, 'session: bound before DROP EXTENSION');
-sql('DROP VIEW public.b_done; DROP EXTENSION idempotency; CREATE EXTENSION idempotency;');
+sql('DROP VIEW public.b_done');
+drop_extension($node, 'postgres');
+install_extension($node, 'postgres');
 sql('GRANT USAGE ON SCHEMA idempotency TO tenant_a');
 is(in_session("SELECT outcome || ',' || attempt FROM idempotency.idem_claim('x', scope => 'b:x')"),
 	'00000|claimed,1', 'session, after DROP and CREATE EXTENSION: the new, empty bindings apply');

@@ -39,9 +39,9 @@ use Test::More;
 
 my $node = new_node('fail_closed', port => 55451,
 	conf => ['idempotency.sweep_interval = 0']);
+install_extension($node, 'postgres');
 $node->safe_psql(
 	'postgres', q{
-CREATE EXTENSION idempotency;
 CREATE ROLE tenant_a LOGIN;
 GRANT USAGE ON SCHEMA idempotency TO tenant_a;
 SELECT idempotency.bind_scope('tenant_a', 'a:');

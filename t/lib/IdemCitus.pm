@@ -51,9 +51,14 @@ sub pg_config
 }
 
 # undef when Citus is installed for the PostgreSQL on PATH (citus.so in its
-# pkglibdir); otherwise why not, as one line for plan skip_all.
+# pkglibdir) and the tests run against the C edition (IDEM_EDITION, as in
+# IdemTest.pm); otherwise why not, as one line for plan skip_all.
 sub citus_available
 {
+	# The SQL edition's distribute() refuses (0A000), even with Citus
+	# installed: its tables cannot be distributed.
+	return 'SQL edition: Citus is not supported (distribute() refuses)'
+	  if ($ENV{IDEM_EDITION} // 'c') ne 'c';
 	my $version = pg_config('--version');
 	return 'Citus tests skipped: no pg_config on PATH' unless defined $version;
 	my ($major) = $version =~ /(\d+)/;

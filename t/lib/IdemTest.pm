@@ -25,6 +25,8 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 
 our @EXPORT = qw(
+  $EDITION sql_edition skip_sql_edition install_extension drop_extension
+  $CLAIM_WAITING
   new_node new_standby alter_system stop_sweeping
   sql_result sqlstate_of
   $CLAIM_COLS parse_claim claim replay_row mismatch_row body_md5 stored_row
@@ -35,7 +37,84 @@ our @EXPORT = qw(
   launcher_pid restart_launcher fail_sweeps_in log_errors
   kill_backend backend_gone);
 
-# --- servers -------------------------------------------------------------------
+# --- servers ---------------------------------------------------------------------
+
+# Which edition the tests run against, from the environment:
+#   IDEM_EDITION=c      (the default) the C edition, installed with make install;
+#   IDEM_EDITION=plain  the SQL edition's plain installer (schema idempotency,
+#                       no extension), run into each database;
+#   IDEM_EDITION=pgtle  the SQL edition through pg_tle (preloaded), registered
+#                       in template1 and postgres, then CREATE EXTENSION.
+# IDEM_SQL_EDITION_DIR names the folder with the installers that
+# scripts/sql-edition.sh built (idempotency-plain.sql, idempotency-pgtle.sql).
+our $EDITION = $ENV{IDEM_EDITION} // 'c';
+die "IDEM_EDITION must be c, plain or pgtle, not '$EDITION'"
+  unless $EDITION =~ /^(?:c|plain|pgtle)$/;
+
+# True when the tests run against the SQL edition (either mode).
+sub sql_edition
+{
+	return $EDITION ne 'c';
+}
+
+# The text of the SQL edition's installer for the current mode.
+sub installer_sql
+{
+	my $dir = $ENV{IDEM_SQL_EDITION_DIR}
+	  or die "IDEM_SQL_EDITION_DIR must name the SQL edition's installers";
+	return slurp_file("$dir/idempotency-$EDITION.sql");
+}
+
+# Skip the whole test file when it runs against the SQL edition, with
+# $reason: what it tests is one of the allowed differences between the
+# editions (sql-edition/README.md).  Call it before any plan.
+sub skip_sql_edition
+{
+	my ($reason) = @_;
+	Test::More::plan(skip_all => "SQL edition: $reason") if sql_edition();
+	return;
+}
+
+# Install the extension in database $db of $node, as the edition does:
+# CREATE EXTENSION idempotency (the C edition, and the SQL edition through
+# pg_tle, which new_node registered in template1 and postgres), or the
+# plain installer.  Options: version => a version for CREATE EXTENSION;
+# user => the role that runs it (as psql -U).
+sub install_extension
+{
+	my ($node, $db, %opt) = @_;
+	# The installer's text stays out of the server log (log_statement =
+	# all in TAP nodes): its lines carry no log line prefix, so log_errors
+	# could not tell them from the server's, and they name errors.
+	my $sql =
+	  $EDITION eq 'plain'
+	  ? "SET log_statement = 'none';\n" . installer_sql()
+	  : 'CREATE EXTENSION idempotency'
+	  . (defined $opt{version} ? " VERSION '$opt{version}'" : '');
+	$node->safe_psql($db, $sql,
+		$opt{user} ? (extra_params => [ '-U', $opt{user} ]) : ());
+	return;
+}
+
+# Remove the extension from database $db of $node: DROP EXTENSION, or for
+# the plain installer (which makes no extension) DROP SCHEMA ... CASCADE.
+sub drop_extension
+{
+	my ($node, $db) = @_;
+	$node->safe_psql($db,
+		$EDITION eq 'plain'
+		? 'DROP SCHEMA idempotency CASCADE'
+		: 'DROP EXTENSION idempotency');
+	return;
+}
+
+# A condition on a pg_stat_activity row: its backend sleeps in a claim's
+# wait.  The C edition sleeps on its latch (wait event type Extension) until
+# it is woken; the SQL edition polls in pg_sleep (wait event PgSleep).
+our $CLAIM_WAITING =
+  $EDITION eq 'c'
+  ? "wait_event_type = 'Extension'"
+  : "wait_event = 'PgSleep'";
 
 # A new node, initialized, configured and started.  Options:
 #   port      => the port (it only names the Unix socket file);
@@ -43,20 +122,37 @@ our @EXPORT = qw(
 #   conf      => [ lines to add to postgresql.conf ];
 #   preload   => 0 to leave out shared_preload_libraries = 'idempotency'
 #                (which comes first in postgresql.conf otherwise);
-#   extension => 1 to CREATE EXTENSION idempotency in database postgres.
+#   extension => 1 to install the extension in database postgres
+#                (install_extension).
+# With the SQL edition there is no library to preload: through pg_tle,
+# pg_tle is preloaded instead (whatever preload says) and the installer
+# registers idempotency in template1 and postgres, so that databases
+# created later from template1 can CREATE EXTENSION it.
 sub new_node
 {
 	my ($name, %opt) = @_;
 	my $node = PostgreSQL::Test::Cluster->new($name, port => $opt{port});
 	$node->init(@{ $opt{init} // [] });
 	my @conf = @{ $opt{conf} // [] };
-	unshift @conf, "shared_preload_libraries = 'idempotency'"
-	  if $opt{preload} // 1;
+	if ($EDITION eq 'c')
+	{
+		unshift @conf, "shared_preload_libraries = 'idempotency'"
+		  if $opt{preload} // 1;
+	}
+	elsif ($EDITION eq 'pgtle')
+	{
+		unshift @conf, "shared_preload_libraries = 'pg_tle'";
+	}
 	$node->append_conf('postgresql.conf', join('', map { "$_\n" } @conf))
 	  if @conf;
 	$node->start;
-	$node->safe_psql('postgres', 'CREATE EXTENSION idempotency')
-	  if $opt{extension};
+	if ($EDITION eq 'pgtle')
+	{
+		$node->safe_psql($_,
+			"SET log_statement = 'none';\nCREATE EXTENSION pg_tle;\n" . installer_sql())
+		  for qw(template1 postgres);
+	}
+	install_extension($node, 'postgres') if $opt{extension};
 	return $node;
 }
 
