@@ -24,9 +24,12 @@ SELECT count(*) AS rows,
            k.finished_at, k.lease_until, k.expires_at, k.retention, k.phase,
            k.phase_data, k.owner_session)::text, '|' ORDER BY k.key), '')) AS sum
   FROM idempotency.keys k WHERE k.scope = 'claim_many';
+-- one row, also where the stats view has none for this database (the
+-- counters are NULL where the SQL edition runs, and \gset keeps no NULL)
 CREATE TEMP VIEW counters AS
-SELECT claims, takeovers, replays, in_progress, mismatches
-  FROM idempotency.stats WHERE database = current_database();
+SELECT s.claims, s.takeovers, s.replays, s.in_progress, s.mismatches
+  FROM (SELECT 1) one
+  LEFT JOIN idempotency.stats s ON s.database = current_database();
 -- Waits until the wall clock passes "t" (a lease).
 CREATE FUNCTION pg_temp.wait_past(t timestamptz) RETURNS boolean
 LANGUAGE plpgsql AS $$
@@ -96,7 +99,9 @@ SELECT idempotency.idem_checkpoint('stale', token, 'step_2', '{"resume": "here"}
   FROM r WHERE step = 'stale';
 SELECT pg_temp.wait_past(lease_until) FROM idempotency.keys
  WHERE scope = 'claim_many' AND key = 'stale';
-SELECT * FROM counters \gset c0_
+SELECT coalesce(claims, 0) AS claims, coalesce(takeovers, 0) AS takeovers,
+       coalesce(replays, 0) AS replays, coalesce(in_progress, 0) AS in_progress,
+       coalesce(mismatches, 0) AS mismatches FROM counters \gset c0_
 INSERT INTO b SELECT 'mix', * FROM idempotency.idem_claim_many(
        ARRAY['done', 'n1', 'n2', 'stale', 'fresh', 'noreq', 'noreq', 'done'],
        ARRAY['{"v": 1}', '{"n": 1}', '{"n": 99}', '{"v": 3}', NULL,
@@ -211,7 +216,9 @@ DELETE FROM idempotency.keys WHERE scope = 'claim_many';
 -- left behind; the same batch again: all in progress.  (A long lease, so
 -- that a slow build cannot see the first keys' leases end meanwhile.)
 --
-SELECT * FROM counters \gset c0_
+SELECT coalesce(claims, 0) AS claims, coalesce(takeovers, 0) AS takeovers,
+       coalesce(replays, 0) AS replays, coalesce(in_progress, 0) AS in_progress,
+       coalesce(mismatches, 0) AS mismatches FROM counters \gset c0_
 BEGIN;
 SELECT outcome, attempt, count(*) AS keys, count(DISTINCT token) AS tokens,
        count(*) FILTER (WHERE key = 'm' || ord) AS in_order
