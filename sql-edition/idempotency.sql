@@ -1364,6 +1364,34 @@ $$;
  */
 
 /*
+ * Does another transaction hold a lock on the row version at "t" (any row
+ * lock, a change or a delete), or is that version gone?  Asked with FOR
+ * UPDATE NOWAIT in a subtransaction that is rolled back at once, so nothing
+ * stays locked.
+ */
+CREATE OR REPLACE FUNCTION idempotency._row_locked(t tid)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	verdict boolean;
+BEGIN
+	BEGIN
+		PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
+			FOR UPDATE NOWAIT;
+		verdict := NOT FOUND;
+		RAISE EXCEPTION 'asked' USING ERRCODE = 'IDW03';
+	EXCEPTION
+		WHEN lock_not_available THEN
+			RETURN true;
+		WHEN SQLSTATE 'IDW03' THEN
+			RETURN verdict;
+	END;
+END;
+$$;
+
+/*
  * Is the row version at "t", which another running transaction holds, being
  * updated in columns other than the key (rather than deleted, or only
  * row-locked)?  Told by the row locks that conflict with it, each tried
@@ -1518,8 +1546,12 @@ BEGIN
 					  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
 		END IF;
 		IF result IS NULL THEN
-			-- the token is current: lock the row version we judged, never waiting
-			IF p.busy THEN
+			-- The token is current.  The probe's "busy" may be stale (the
+			-- transaction it saw has ended) or read from a transaction id
+			-- that only looks running (an aborted row lock's id that is
+			-- also a live multixact's number): a row lock that another
+			-- transaction still holds is what refuses the call.
+			IF p.busy AND idempotency._row_locked(p.tid) THEN
 				RAISE EXCEPTION 'could not % idempotency key %', kind, disp
 					USING ERRCODE = '55P03',
 						  DETAIL = 'Another transaction holds a row lock on this key.',
