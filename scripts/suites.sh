@@ -116,6 +116,19 @@ suite_env() {
 	echo "NPM_CONFIG_UPDATE_NOTIFIER=false"
 }
 
+# Print "name status" for every test pg_regress reported in <log> (status
+# "ok" or another word): "test name ... ok" up to PostgreSQL 15, "ok 1 - name
+# 12 ms" (TAP) from 16.
+suite_pg_regress_statuses() {
+	awk '/^(test |     )/ {
+			for (i = 2; i < NF; i++) if ($i == "...") { print $(i - 1), $(i + 1); break }
+		}
+		/^(not )?ok [0-9]+ +[-+] / {
+			st = ($1 == "not") ? "failed" : "ok"
+			for (i = 2; i < NF; i++) if ($i == "-" || $i == "+") { print $(i + 1), st; break }
+		}' "$1"
+}
+
 # Record each of <names> from pg_regress output <log>: "ok" passes, else fails.
 suite_tally_pg_regress() {
 	local log=$1 prefix=$2 name
@@ -123,14 +136,7 @@ suite_tally_pg_regress() {
 	local -A status=()
 	while read -r name st; do
 		status[$name]=$st
-	# "test name ... ok" up to PostgreSQL 15, "ok 1 - name 12 ms" (TAP) from 16
-	done < <(awk '/^(test |     )/ {
-			for (i = 2; i < NF; i++) if ($i == "...") { print $(i - 1), $(i + 1); break }
-		}
-		/^(not )?ok [0-9]+ +[-+] / {
-			st = ($1 == "not") ? "failed" : "ok"
-			for (i = 2; i < NF; i++) if ($i == "-" || $i == "+") { print $(i + 1), st; break }
-		}' "$log")
+	done < <(suite_pg_regress_statuses "$log")
 	for name in "$@"; do
 		case ${status[$name]:-} in
 		ok) test_pass "$prefix/$name" ;;
