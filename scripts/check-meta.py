@@ -10,7 +10,9 @@ names, URLs), and that any other key is a custom one (x_ or X_). With --tree,
 the distribution in DIR must also agree with it: the files `provides` names
 exist, the control file's default_version is the version's major.minor, and
 the install script of that version, the library's IDEM_VERSION, the top entry
-of CHANGELOG.md and debian/changelog's upstream version all name the version.
+of CHANGELOG.md, debian/changelog's upstream version, the package and zip names
+in the install steps (README.md, docs/install/self-hosted.md) and the newest
+version of the SQL edition (sql-edition/versions) all name the version.
 
 Prints each problem on its own line and exits 1 if there is any, 0 otherwise.
 Uses the standard library only (PGXN's own validator is not packaged here).
@@ -228,6 +230,23 @@ def check_tree(meta, tree):
     m = re.match(r"^(\S+) \(([^)-]+)(?:-[^)]*)?\)", read(tree, "debian/changelog"))
     p.need(m and m.group(2) == version,
            f"debian/changelog: the upstream version is {m and m.group(2)!r}, not {version!r}")
+
+    # The install steps name the release's package and zip.
+    for doc in ("README.md", "docs/install/self-hosted.md"):
+        if not os.path.isfile(os.path.join(tree, doc)):
+            continue
+        text = read(tree, doc)
+        for named in re.findall(r"idempotency_([0-9][^-_ ]*)-\d+_amd64\.deb", text) + \
+                re.findall(r"idempotency-([0-9][0-9.]*[0-9])\.zip", text):
+            p.need(named == version, f"{doc}: names release {named}, not {version}")
+
+    # The SQL edition's newest version is the release (scripts/sql-edition.sh).
+    if os.path.isfile(os.path.join(tree, "sql-edition/versions")):
+        versions = [line.strip() for line in read(tree, "sql-edition/versions").splitlines()
+                    if line.strip() and not line.strip().startswith("#")]
+        p.need(versions and versions[-1] in (version, major_minor),
+               f"sql-edition/versions: the newest is {versions[-1] if versions else None!r}, "
+               f"not the release {version!r}")
     return p
 
 

@@ -14,9 +14,11 @@
 #                          directly, in one transaction; running it again
 #                          upgrades in place and keeps every key.
 #
-# Both carry the same text, sql-edition/idempotency.sql.  The newest
-# version must be the control file's default_version.  `make sql-edition`
-# runs this script.
+# Both carry the same text, sql-edition/idempotency.sql.  The SQL
+# edition's code is its SQL, so each release registers a new version,
+# named by the release's library version (1.6.3), rather than changing a
+# registered one; only the first, 1.6, is the control file's
+# default_version.  `make sql-edition` runs this script.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -28,10 +30,6 @@ default=$(sed -n "s/^default_version *= *'\(.*\)'.*/\1/p" "$root/idempotency.con
 mapfile -t versions < <(grep -v '^\s*\(#\|$\)' "$src/versions" | tr -d ' \t')
 ((${#versions[@]})) || { echo "sql-edition: no versions in $src/versions" >&2; exit 1; }
 newest=${versions[-1]}
-[[ $newest == "$default" ]] || {
-	echo "sql-edition: the newest version in sql-edition/versions ($newest) is not default_version ($default)" >&2
-	exit 1
-}
 comment=$(sed -n "s/^comment *= *'\(.*\)'.*/\1/p" "$root/idempotency.control")
 
 # The library version of this release (src/idempotency.h): idem_version()
@@ -39,6 +37,14 @@ comment=$(sed -n "s/^comment *= *'\(.*\)'.*/\1/p" "$root/idempotency.control")
 library=$(sed -n 's/^#define IDEM_VERSION[[:space:]]*"\(.*\)".*/\1/p' "$root/src/idempotency.h")
 [[ $library == "$default".* ]] || {
 	echo "sql-edition: IDEM_VERSION ($library) is not a release of $default" >&2
+	exit 1
+}
+# The newest script reports $library in idem_version(): a release whose
+# library version differs from the newest registered one's freezes that
+# script (sql-edition/idempotency--VERSION.sql) and adds its own version.
+[[ $newest == "$library" || ($newest == "$default" && ${#versions[@]} == 1) ]] || {
+	echo "sql-edition: the newest version in sql-edition/versions ($newest) is not this release ($library):" \
+		"freeze its script as sql-edition/idempotency--$newest.sql and add $library" >&2
 	exit 1
 }
 
@@ -113,7 +119,7 @@ HDR
 		else
 			printf "SELECT pgtle.install_extension_version_sql('idempotency', '%s',\n\$%s\$\n" "$v" "$quote"
 			script_of "$v"
-			printf "\$%s\$);\n" "$quote"
+			printf "\$%s\$)\n WHERE NOT %s;\n" "$quote" "$(registered "$v")"
 		fi
 	done
 	for ((i = 1; i < ${#versions[@]}; i++)); do

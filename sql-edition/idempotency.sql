@@ -1365,9 +1365,10 @@ $$;
 
 /*
  * Does another transaction hold a lock on the row version at "t" (any row
- * lock, a change or a delete), or is that version gone?  Asked with FOR
- * UPDATE NOWAIT in a subtransaction that is rolled back at once, so nothing
- * stays locked.
+ * lock, a change or a delete)?  NULL when that version is gone: a change
+ * committed since it was read, so the caller reads the key again.  Asked
+ * with FOR UPDATE NOWAIT in a subtransaction that is rolled back at once,
+ * so nothing stays locked.
  */
 CREATE OR REPLACE FUNCTION idempotency._row_locked(t tid)
 RETURNS boolean
@@ -1380,7 +1381,9 @@ BEGIN
 	BEGIN
 		PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
 			FOR UPDATE NOWAIT;
-		verdict := NOT FOUND;
+		IF FOUND THEN
+			verdict := false;
+		END IF;
 		RAISE EXCEPTION 'asked' USING ERRCODE = 'IDW03';
 	EXCEPTION
 		WHEN lock_not_available THEN
@@ -1418,7 +1421,8 @@ BEGIN
 			BEGIN
 				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
 					FOR SHARE NOWAIT;
-				verdict := false;		-- only shared row locks
+				-- only shared row locks, or gone since the first question
+				verdict := NOT FOUND;
 			EXCEPTION WHEN lock_not_available THEN
 				verdict := true;
 			END;
@@ -1458,6 +1462,8 @@ DECLARE
 	disp text;
 	locked tid;
 	n bigint;
+	step text;
+	row_held boolean;
 BEGIN
 	IF kind IS NULL OR kind OPERATOR(pg_catalog.<>) ALL (ARRAY['finish', 'extend', 'release', 'checkpoint']) THEN
 		RAISE EXCEPTION 'unknown token call "%"', kind USING ERRCODE = '22023';
@@ -1488,37 +1494,55 @@ BEGIN
 		BEGIN
 			now := pg_catalog.clock_timestamp();
 			SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
+			step := 'go';
+			row_held := false;
+			-- Another transaction is changing a key whose committed row is
+			-- this token's claim.  Without a dirty read the SQL edition
+			-- cannot see the new version, so it tells the change by the row
+			-- lock it holds, asked without waiting.  While the lease runs,
+			-- only the token's holder (an extend, checkpoint, finish or
+			-- release made elsewhere), a sweep moving sweep_at, or plain SQL
+			-- changes the key: an update of other columns than the key
+			-- leaves the token current and is waited for, as a row lock
+			-- waits (so a deadlock is detected), without the key's lock,
+			-- and the key is read again.  A delete (a release) or a plain
+			-- row lock is not waited for, and neither is any change once
+			-- the lease has ended (it may be a takeover): a lock still held
+			-- then refuses the call (55P03 below).  The probe's "busy" may
+			-- be stale (that transaction has ended) or read from a
+			-- transaction id that only looks running (an aborted row lock's
+			-- id that is also a live multixact's number), so the lock is
+			-- asked of the row itself; a version that is gone by then was
+			-- replaced by a change that has committed: read again.
+			IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
+			   AND p.token OPERATOR(pg_catalog.=) p_token
+			   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
+				IF p.lease_until OPERATOR(pg_catalog.>) now
+				   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session))
+				   AND idempotency._being_updated(p.tid) THEN
+					step := 'wait';
+				ELSE
+					row_held := idempotency._row_locked(p.tid);
+					IF row_held IS NULL THEN
+						step := 'again';
+					END IF;
+				END IF;
+			END IF;
 		EXCEPTION WHEN OTHERS OR query_canceled THEN
 			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 			RAISE;
 		END;
-		-- Another transaction is changing a key whose committed row is a
-		-- live claim of this very token: while the lease runs, only the
-		-- token's holder (an extend, checkpoint, finish or release made
-		-- elsewhere), a sweep moving sweep_at, or plain SQL changes it.
-		-- Without a dirty read the SQL edition cannot see the new version,
-		-- so it tells the change by the row lock it holds, asked without
-		-- waiting: an update of other columns than the key (extend,
-		-- checkpoint, finish, sweep) leaves the token current and is
-		-- waited for, as a row lock waits (so a deadlock is detected),
-		-- without the key's lock, and the key is looked at again; a delete
-		-- (a release) or a plain row lock is not (55P03 below).  Once the
-		-- lease has ended the change may be a takeover, which is never
-		-- waited for either.
-		EXIT WHEN NOT (p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
-			AND p.token OPERATOR(pg_catalog.=) p_token
-			AND p.expires_at OPERATOR(pg_catalog.>) now
-			AND p.lease_until OPERATOR(pg_catalog.>) now
-			AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)));
-		EXIT WHEN NOT idempotency._being_updated(p.tid);
+		EXIT WHEN step OPERATOR(pg_catalog.=) 'go';
 		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-		BEGIN
-			PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid FOR SHARE;
-			-- the lock only served to wait: roll it back at once
-			RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
-		EXCEPTION WHEN SQLSTATE 'IDW01' THEN
-			NULL;
-		END;
+		IF step OPERATOR(pg_catalog.=) 'wait' THEN
+			BEGIN
+				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid FOR SHARE;
+				-- the lock only served to wait: roll it back at once
+				RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
+			EXCEPTION WHEN SQLSTATE 'IDW01' THEN
+				NULL;
+			END;
+		END IF;
 	END LOOP;
 	BEGIN
 		-- what the committed row says is said whatever is in flight
@@ -1546,12 +1570,8 @@ BEGIN
 					  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
 		END IF;
 		IF result IS NULL THEN
-			-- The token is current.  The probe's "busy" may be stale (the
-			-- transaction it saw has ended) or read from a transaction id
-			-- that only looks running (an aborted row lock's id that is
-			-- also a live multixact's number): a row lock that another
-			-- transaction still holds is what refuses the call.
-			IF p.busy AND idempotency._row_locked(p.tid) THEN
+			-- the token is current
+			IF row_held THEN
 				RAISE EXCEPTION 'could not % idempotency key %', kind, disp
 					USING ERRCODE = '55P03',
 						  DETAIL = 'Another transaction holds a row lock on this key.',

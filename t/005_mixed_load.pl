@@ -70,14 +70,6 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 
-# A known defect of the SQL edition, not yet fixed (sql-edition/README.md,
-# "Known defect"): under this load a finish is sometimes refused with 55P03.
-# The file runs against the C edition in every run, and against the SQL
-# edition with IDEM_SQL_EDITION_KNOWN_DEFECTS=1.
-skip_sql_edition(
-	"known defect: under this mixed load a finish is sometimes refused with 55P03 (sql-edition/README.md, Known defect)"
-) unless $ENV{IDEM_SQL_EDITION_KNOWN_DEFECTS};
-
 my $seconds = $ENV{IDEM_MIXED_LOAD_SECONDS} || 30;
 die "IDEM_MIXED_LOAD_SECONDS must be a whole number of seconds, at least 10\n"
   unless $seconds =~ /^\d+$/ && $seconds >= 10;
