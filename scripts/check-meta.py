@@ -11,7 +11,8 @@ the distribution in DIR must also agree with it: the files `provides` names
 exist, the control file's default_version is the version's major.minor, and
 the install script of that version, the library's IDEM_VERSION, the top entry
 of CHANGELOG.md, debian/changelog's upstream version, the package and zip names
-in the install steps (README.md, docs/install/self-hosted.md) and the newest
+in the install steps (README.md, docs/install/self-hosted.md), the library
+version the update steps show (docs/upgrading.md) and the newest
 version of the SQL edition (sql-edition/versions) all name the version.
 
 Prints each problem on its own line and exits 1 if there is any, 0 otherwise.
@@ -239,12 +240,16 @@ def check_tree(meta, tree):
         for named in re.findall(r"idempotency_([0-9][^-_ ]*)-\d+_amd64\.deb", text) + \
                 re.findall(r"idempotency-([0-9][0-9.]*[0-9])\.zip", text):
             p.need(named == version, f"{doc}: names release {named}, not {version}")
+    if os.path.isfile(os.path.join(tree, "docs/upgrading.md")):
+        for named in re.findall(r"-- (\S+) once the new library runs", read(tree, "docs/upgrading.md")):
+            p.need(named == version, f"docs/upgrading.md: names release {named}, not {version}")
 
     # The SQL edition's newest version is the release (scripts/sql-edition.sh).
     if os.path.isfile(os.path.join(tree, "sql-edition/versions")):
         versions = [line.strip() for line in read(tree, "sql-edition/versions").splitlines()
                     if line.strip() and not line.strip().startswith("#")]
-        p.need(versions and versions[-1] in (version, major_minor),
+        p.need(versions and (versions[-1] == version
+                             or (len(versions) == 1 and versions[0] == major_minor)),
                f"sql-edition/versions: the newest is {versions[-1] if versions else None!r}, "
                f"not the release {version!r}")
     return p

@@ -77,7 +77,7 @@ registered() {
 # A dollar quote that the quoted text does not contain.
 quote=_idempotency_sql_edition_
 for v in "${versions[@]}"; do
-	if script_of "$v" | grep -qF "\$$quote\$"; then
+	if grep -qF "\$$quote\$" < <(script_of "$v"); then
 		echo "sql-edition: the script of $v contains \$$quote\$" >&2
 		exit 1
 	fi

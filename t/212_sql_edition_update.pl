@@ -63,6 +63,15 @@ sub script_of
 	return slurp_file("$edition_dir/idempotency--$v.sql");
 }
 
+# The update script from $from to $to, as scripts/sql-edition.sh picks it:
+# idempotency--FROM--TO.sql when there is one, else the newer full script.
+sub update_of
+{
+	my ($from, $to) = @_;
+	my $file = "$edition_dir/idempotency--$from--$to.sql";
+	return -f $file ? slurp_file($file) : script_of($to);
+}
+
 my $node = new_node('sqlupdate', port => 55478);
 
 sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
@@ -81,8 +90,7 @@ sub install_released
 	if ($pgtle)
 	{
 		# the versions up to $v, each registered, and the update paths
-		# between neighbours (the full script of the newer, as
-		# scripts/sql-edition.sh builds them)
+		# between neighbours, as scripts/sql-edition.sh builds them
 		my @upto;
 		for my $r (@released)
 		{
@@ -97,7 +105,9 @@ sub install_released
 			  $i == 0
 			  ? "SELECT pgtle.install_extension('idempotency', '$upto[$i]', 'idempotency keys', $q$text$q, NULL, 'idempotency');\n"
 			  : "SELECT pgtle.install_extension_version_sql('idempotency', '$upto[$i]', $q$text$q);\n"
-			  . "SELECT pgtle.install_update_path('idempotency', '$upto[$i - 1]', '$upto[$i]', $q$text$q);\n";
+			  . "SELECT pgtle.install_update_path('idempotency', '$upto[$i - 1]', '$upto[$i]', $q"
+			  . update_of($upto[$i - 1], $upto[$i])
+			  . "$q);\n";
 		}
 		$reg .= "SELECT pgtle.set_default_version('idempotency', '$v');\n";
 		sql($db, $reg);
