@@ -13,7 +13,8 @@
 #   1. C -> SQL edition under pg_tle: the whole dump (its CREATE EXTENSION
 #      creates the SQL edition);
 #   2. C -> SQL edition, plain installer: a data-only dump of the schema;
-#   3. SQL edition (pg_tle) -> C: a data-only dump of the schema.
+#   3. SQL edition (pg_tle) -> C: a data-only dump of the schema;
+#   4. SQL edition (plain) -> C: a data-only dump of the schema.
 # In each target the stored rows are byte for byte those of the source, the
 # finished key replays, a different request is a mismatch (the
 # fingerprints are the same), the pending key's old token still finishes
@@ -124,6 +125,16 @@ c_psql -c "CREATE DATABASE back"
 c_psql -d back -c "CREATE EXTENSION idempotency"
 c_psql -d back -f "$work/dumps/back.sql" >/dev/null 2>"$work/restore3.log" || { cat "$work/restore3.log" >&2; exit 2; }
 check "SQL edition (pg_tle) -> C edition, data-only dump" c_psql back
+
+# 4. SQL edition (plain) -> C: the data of a fresh plain copy of the source.
+s_psql -c "CREATE DATABASE plain2"
+s_psql -d plain2 -f "$work/dist/idempotency-plain.sql" >/dev/null
+s_psql -d plain2 -f "$work/dumps/data.sql" >/dev/null 2>&1
+dump "$s_bin" "$work/s" plain2 "$work/dumps/back2.sql" --data-only --schema=idempotency
+c_psql -c "CREATE DATABASE back2"
+c_psql -d back2 -c "CREATE EXTENSION idempotency"
+c_psql -d back2 -f "$work/dumps/back2.sql" >/dev/null 2>"$work/restore4.log" || { cat "$work/restore4.log" >&2; exit 2; }
+check "SQL edition (plain) -> C edition, data-only dump" c_psql back2
 
 echo "1..$n"
 exit $failed
