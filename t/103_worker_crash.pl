@@ -94,7 +94,11 @@ is(kill('KILL', $pid), 1, 'SIGKILL sent to the launcher');
 $node->wait_for_log(
 	qr/background worker "idempotency launcher" \(PID $pid\) was terminated by signal 9/,
 	$log_offset);
-$node->wait_for_log(qr/all server processes terminated; reinitializing/,
+# Until the server accepts connections again: poll_query_until feeds its
+# query to psql's stdin, which a psql refused during recovery may have
+# closed already (IPC::Run dies of the broken pipe).
+$node->wait_for_log(
+	qr/all server processes terminated; reinitializing.*database system is ready to accept connections/s,
 	$log_offset);
 ok( $node->poll_query_until(
 		'postgres',
