@@ -1364,79 +1364,56 @@ $$;
  */
 
 /*
- * Does another transaction hold a lock on the row version at "t" (any row
- * lock, a change or a delete)?  NULL when that version is gone: a change
- * committed since it was read, so the caller reads the key again.  Asked
- * with FOR UPDATE NOWAIT in a subtransaction that is rolled back at once,
- * so nothing stays locked.
+ * How another transaction holds the row version at "t", told by the row
+ * locks that conflict with its hold, each asked without waiting in one
+ * subtransaction that is rolled back at once (so nothing stays locked):
+ *   'exclusive'  a delete or FOR UPDATE (FOR KEY SHARE conflicts);
+ *   'update'     an update of other columns than the key, or FOR NO KEY
+ *                UPDATE, which cannot be told from one (FOR SHARE
+ *                conflicts, FOR KEY SHARE does not);
+ *   'shared'     only shared row locks (FOR UPDATE conflicts);
+ *   'free'       nothing;
+ *   'gone'       the version is no longer there: a change committed since
+ *                it was read, so the caller reads the key again.
  */
-CREATE OR REPLACE FUNCTION idempotency._row_locked(t tid)
-RETURNS boolean
+CREATE OR REPLACE FUNCTION idempotency._row_hold(t tid)
+RETURNS text
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-	verdict boolean;
-BEGIN
-	BEGIN
-		PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
-			FOR UPDATE NOWAIT;
-		IF FOUND THEN
-			verdict := false;
-		END IF;
-		RAISE EXCEPTION 'asked' USING ERRCODE = 'IDW03';
-	EXCEPTION
-		WHEN lock_not_available THEN
-			RETURN true;
-		WHEN SQLSTATE 'IDW03' THEN
-			RETURN verdict;
-	END;
-END;
-$$;
-
-/*
- * Is the row version at "t", which another running transaction holds, being
- * updated in columns other than the key (rather than deleted, or only
- * row-locked)?  Told by the row locks that conflict with it, each tried
- * without waiting in a subtransaction that is rolled back: FOR KEY SHARE
- * conflicts with a delete and FOR UPDATE but not with such an update; FOR
- * SHARE conflicts with such an update (and FOR NO KEY UPDATE, which it
- * cannot tell from one) but not with FOR SHARE or FOR KEY SHARE.  A
- * version that is gone by now counts as updated: the caller looks again.
- */
-CREATE OR REPLACE FUNCTION idempotency._being_updated(t tid)
-RETURNS boolean
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-	verdict boolean;
+	asking text := 'exclusive';
+	verdict text := 'gone';
 BEGIN
 	BEGIN
 		PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
 			FOR KEY SHARE NOWAIT;
-		IF NOT FOUND THEN
-			verdict := true;
-		ELSE
-			BEGIN
+		IF FOUND THEN
+			asking := 'update';
+			PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
+				FOR SHARE NOWAIT;
+			IF FOUND THEN
+				asking := 'shared';
 				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t
-					FOR SHARE NOWAIT;
-				-- only shared row locks, or gone since the first question
-				verdict := NOT FOUND;
-			EXCEPTION WHEN lock_not_available THEN
-				verdict := true;
-			END;
+					FOR UPDATE NOWAIT;
+				IF FOUND THEN
+					verdict := 'free';
+				END IF;
+			END IF;
 		END IF;
-		-- the locks only served to ask: roll them back at once
 		RAISE EXCEPTION 'asked' USING ERRCODE = 'IDW02';
 	EXCEPTION
 		WHEN lock_not_available THEN
-			RETURN false;			-- a delete or FOR UPDATE
+			RETURN asking;
 		WHEN SQLSTATE 'IDW02' THEN
 			RETURN verdict;
 	END;
 END;
 $$;
+
+-- versions before 1.6.3 asked the same in two functions: an update drops them
+DROP FUNCTION IF EXISTS idempotency._row_locked(tid);
+DROP FUNCTION IF EXISTS idempotency._being_updated(tid);
 
 /*
  * One token holder's call: finish, extend, release or checkpoint the key.
@@ -1463,6 +1440,7 @@ DECLARE
 	locked tid;
 	n bigint;
 	step text;
+	hold text;
 	row_held boolean;
 BEGIN
 	IF kind IS NULL OR kind OPERATOR(pg_catalog.<>) ALL (ARRAY['finish', 'extend', 'release', 'checkpoint']) THEN
@@ -1517,15 +1495,15 @@ BEGIN
 			IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
 			   AND p.token OPERATOR(pg_catalog.=) p_token
 			   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
-				IF p.lease_until OPERATOR(pg_catalog.>) now
-				   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session))
-				   AND idempotency._being_updated(p.tid) THEN
+				hold := idempotency._row_hold(p.tid);
+				IF hold OPERATOR(pg_catalog.=) 'gone' THEN
+					step := 'again';
+				ELSIF hold OPERATOR(pg_catalog.=) 'update'
+				   AND p.lease_until OPERATOR(pg_catalog.>) now
+				   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)) THEN
 					step := 'wait';
 				ELSE
-					row_held := idempotency._row_locked(p.tid);
-					IF row_held IS NULL THEN
-						step := 'again';
-					END IF;
+					row_held := hold OPERATOR(pg_catalog.<>) 'free';
 				END IF;
 			END IF;
 		EXCEPTION WHEN OTHERS OR query_canceled THEN
@@ -1535,6 +1513,7 @@ BEGIN
 		EXIT WHEN step OPERATOR(pg_catalog.=) 'go';
 		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 		IF step OPERATOR(pg_catalog.=) 'wait' THEN
+			-- wait as a row lock waits, so that a deadlock is detected
 			BEGIN
 				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid FOR SHARE;
 				-- the lock only served to wait: roll it back at once

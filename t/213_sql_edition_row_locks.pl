@@ -7,13 +7,14 @@
 #
 # The SQL edition cannot read another transaction's new row version, so a
 # finish, extend, release or checkpoint that finds the key's row busy asks
-# the row itself, without waiting:
-#   _being_updated(tid)  is another transaction updating the version (not
-#                        deleting it, not only row-locking it)?  true also
-#                        when the version is gone (the caller reads again);
-#   _row_locked(tid)     does another transaction hold any lock on it?
-#                        NULL when the version is gone: a change committed
-#                        since the caller read it.
+# the row itself, without waiting (_row_hold), and from the answer draws
+# two conclusions, checked here as "being_updated|row_locked":
+#   being updated  another transaction is updating the version (not
+#                  deleting it, not only row-locking it), or the version is
+#                  gone (the caller reads again);
+#   row locked     another transaction holds any lock on it; NULL when the
+#                  version is gone: a change committed since the caller
+#                  read it.
 # Checked, with a second session holding the row each way in turn:
 #   - nobody: neither question says yes;
 #   - FOR SHARE held: locked, not being updated;
@@ -56,8 +57,9 @@ my $tid = sql("SELECT ctid FROM idempotency.keys WHERE key = 'k'");
 sub questions
 {
 	return sql(
-		    "SELECT concat_ws('|', idempotency._being_updated('$tid')::text, "
-		  . "coalesce(idempotency._row_locked('$tid')::text, 'null'))");
+		    "SELECT concat_ws('|', (h IN ('update', 'gone'))::text, "
+		  . "CASE h WHEN 'gone' THEN 'null' ELSE (h <> 'free')::text END) "
+		  . "FROM idempotency._row_hold('$tid') AS h");
 }
 
 is(questions(), 'false|false', 'nobody holds the row: neither question says yes');
