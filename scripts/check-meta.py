@@ -232,17 +232,16 @@ def check_tree(meta, tree):
     p.need(m and m.group(2) == version,
            f"debian/changelog: the upstream version is {m and m.group(2)!r}, not {version!r}")
 
-    # The install steps name the release's package and zip.
-    for doc in ("README.md", "docs/install/self-hosted.md"):
-        if not os.path.isfile(os.path.join(tree, doc)):
-            continue
-        text = read(tree, doc)
-        for named in re.findall(r"idempotency_([0-9][^-_ ]*)-\d+_amd64\.deb", text) + \
-                re.findall(r"idempotency-([0-9][0-9.]*[0-9])\.zip", text):
-            p.need(named == version, f"{doc}: names release {named}, not {version}")
-    if os.path.isfile(os.path.join(tree, "docs/upgrading.md")):
-        for named in re.findall(r"-- (\S+) once the new library runs", read(tree, "docs/upgrading.md")):
-            p.need(named == version, f"docs/upgrading.md: names release {named}, not {version}")
+    # The install and update steps name the release.
+    for doc, pattern in (
+            ("README.md", r"idempotency_([0-9][^-_ ]*)-\d+_amd64\.deb"),
+            ("README.md", r"idempotency-([0-9][0-9.]*[0-9])\.zip"),
+            ("docs/install/self-hosted.md", r"idempotency_([0-9][^-_ ]*)-\d+_amd64\.deb"),
+            ("docs/install/self-hosted.md", r"idempotency-([0-9][0-9.]*[0-9])\.zip"),
+            ("docs/upgrading.md", r"-- (\S+) once the new library runs")):
+        if os.path.isfile(os.path.join(tree, doc)):
+            for named in re.findall(pattern, read(tree, doc)):
+                p.need(named == version, f"{doc}: names release {named}, not {version}")
 
     # The SQL edition's newest version is the release (scripts/sql-edition.sh).
     if os.path.isfile(os.path.join(tree, "sql-edition/versions")):

@@ -116,24 +116,28 @@ s_psql -d plain -f "$work/dist/idempotency-plain.sql" >/dev/null
 s_psql -d plain -f "$work/dumps/data.sql" >/dev/null 2>"$work/restore2.log" || { cat "$work/restore2.log" >&2; exit 2; }
 check "C edition -> SQL edition (plain), data-only dump" s_psql plain
 
+# SQL edition database $1 -> a new C edition database $2: the data only.
+to_c() {
+	local from=$1 to=$2
+	dump "$s_bin" "$work/s" "$from" "$work/dumps/$to.sql" --data-only --schema=idempotency
+	c_psql -c "CREATE DATABASE $to"
+	c_psql -d "$to" -c "CREATE EXTENSION idempotency"
+	c_psql -d "$to" -f "$work/dumps/$to.sql" >/dev/null 2>"$work/restore-$to.log" ||
+		{ cat "$work/restore-$to.log" >&2; exit 2; }
+}
+
 # 3. SQL edition (pg_tle) -> C: the data of a fresh copy of the source.
 s_psql -c "CREATE DATABASE tle2"
 s_psql -d tle2 -c "CREATE EXTENSION pg_tle" -f "$work/dist/idempotency-pgtle.sql" >/dev/null
 s_psql -d tle2 -f "$work/dumps/full.sql" >/dev/null 2>&1
-dump "$s_bin" "$work/s" tle2 "$work/dumps/back.sql" --data-only --schema=idempotency
-c_psql -c "CREATE DATABASE back"
-c_psql -d back -c "CREATE EXTENSION idempotency"
-c_psql -d back -f "$work/dumps/back.sql" >/dev/null 2>"$work/restore3.log" || { cat "$work/restore3.log" >&2; exit 2; }
+to_c tle2 back
 check "SQL edition (pg_tle) -> C edition, data-only dump" c_psql back
 
 # 4. SQL edition (plain) -> C: the data of a fresh plain copy of the source.
 s_psql -c "CREATE DATABASE plain2"
 s_psql -d plain2 -f "$work/dist/idempotency-plain.sql" >/dev/null
 s_psql -d plain2 -f "$work/dumps/data.sql" >/dev/null 2>&1
-dump "$s_bin" "$work/s" plain2 "$work/dumps/back2.sql" --data-only --schema=idempotency
-c_psql -c "CREATE DATABASE back2"
-c_psql -d back2 -c "CREATE EXTENSION idempotency"
-c_psql -d back2 -f "$work/dumps/back2.sql" >/dev/null 2>"$work/restore4.log" || { cat "$work/restore4.log" >&2; exit 2; }
+to_c plain2 back2
 check "SQL edition (plain) -> C edition, data-only dump" c_psql back2
 
 echo "1..$n"

@@ -1411,9 +1411,18 @@ BEGIN
 END;
 $$;
 
--- versions before 1.6.3 asked the same in two functions: an update drops them
-DROP FUNCTION IF EXISTS idempotency._row_locked(tid);
-DROP FUNCTION IF EXISTS idempotency._being_updated(tid);
+-- versions before 1.6.3 asked the same in two functions: an update drops
+-- them (without a notice on a fresh install)
+DO $do$
+BEGIN
+	IF pg_catalog.to_regprocedure('idempotency._row_locked(tid)') IS NOT NULL THEN
+		DROP FUNCTION idempotency._row_locked(tid);
+	END IF;
+	IF pg_catalog.to_regprocedure('idempotency._being_updated(tid)') IS NOT NULL THEN
+		DROP FUNCTION idempotency._being_updated(tid);
+	END IF;
+END;
+$do$;
 
 /*
  * One token holder's call: finish, extend, release or checkpoint the key.
