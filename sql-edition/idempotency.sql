@@ -764,6 +764,14 @@ $$;
  *     committed meanwhile; read again (READ COMMITTED), or, where the
  *     transaction's snapshot may not move (REPEATABLE READ, SERIALIZABLE),
  *     raise a serialization failure.
+ * That last test is not complete: a snapshot lists running top-level
+ * transactions only, so a change made in a subtransaction (every writer
+ * writes inside an exception block) or through a multixact, committed
+ * between the statement's snapshot and the questions, looks as if it
+ * committed before.  The version read is then the one the snapshot saw,
+ * which answers consistently as of that moment, but the version to write
+ * has been replaced: every write by tid that finds no row reads the key
+ * again.
  * A key another transaction is inserting is invisible here; its claim's
  * insert finds it (the unique check) and answers in_progress.
  */
@@ -809,11 +817,12 @@ BEGIN
 		x8 := idempotency._xid8(rec.xmin_, rec.snap_);
 		mine := x8 IS NOT NULL AND
 			pg_catalog.pg_xact_status(x8) OPERATOR(pg_catalog.=) 'in progress';
+		IF rec.xmax_ OPERATOR(pg_catalog.=) '0'::xid THEN
+			RETURN;				-- never changed, deleted or locked
+		END IF;
 		x8 := idempotency._xid8(rec.xmax_, rec.snap_);
 		IF x8 IS NULL THEN
-			IF rec.xmax_ OPERATOR(pg_catalog.<>) '0'::xid THEN
-				busy := idempotency._multi_busy(rec.xmax_, rec.snap_);
-			END IF;
+			busy := idempotency._multi_busy(rec.xmax_, rec.snap_);
 			RETURN;
 		END IF;
 		st := pg_catalog.pg_xact_status(x8);
@@ -1139,10 +1148,9 @@ BEGIN
 						now, lease_until, expires, retention,
 						LEAST(p.sweep_at, lease_until),
 						action OPERATOR(pg_catalog.=) 'takeover', owner) THEN
-					RAISE EXCEPTION 'idempotency key changed during a write'
-						USING ERRCODE = '40001',
-							  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
-							  HINT = 'Retry the transaction.';
+					-- the version probed was replaced by a change that
+					-- committed since (see _probe): decide once more
+					RAISE EXCEPTION 'version gone' USING ERRCODE = 'IDW03';
 				END IF;
 				IF pg_catalog.current_setting('idempotency_sql.xact_first_token', true) IS NULL OR
 				   pg_catalog.current_setting('idempotency_sql.xact_first_token', true) OPERATOR(pg_catalog.=) '' THEN
@@ -1178,13 +1186,20 @@ BEGIN
 					stalls := stalls OPERATOR(pg_catalog.+) 1;
 					round := round OPERATOR(pg_catalog.-) 1;
 				END IF;
-			WHEN unique_violation THEN
+			WHEN unique_violation OR SQLSTATE 'IDW03' THEN
 				IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
 					PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 					RAISE EXCEPTION 'could not serialize access due to concurrent update of an idempotency key'
 						USING ERRCODE = '40001', HINT = 'Retry the transaction.';
 				END IF;
 				action := 'again';
+				-- a version replaced under the probe is no round of its own:
+				-- the change that replaced it has committed, and the next
+				-- probe sees it
+				IF SQLSTATE OPERATOR(pg_catalog.=) 'IDW03' AND stalls OPERATOR(pg_catalog.<) 1000 THEN
+					stalls := stalls OPERATOR(pg_catalog.+) 1;
+					round := round OPERATOR(pg_catalog.-) 1;
+				END IF;
 			WHEN OTHERS OR query_canceled THEN
 				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 				RAISE;
@@ -1451,6 +1466,8 @@ DECLARE
 	step text;
 	hold text;
 	row_held boolean;
+	again boolean;
+	gone integer := 0;
 BEGIN
 	IF kind IS NULL OR kind OPERATOR(pg_catalog.<>) ALL (ARRAY['finish', 'extend', 'release', 'checkpoint']) THEN
 		RAISE EXCEPTION 'unknown token call "%"', kind USING ERRCODE = '22023';
@@ -1477,141 +1494,165 @@ BEGIN
 	h := idempotency._key_hash(p_scope, p_key);
 	disp := idempotency._key_display(p_scope, p_key);
 	LOOP
-		PERFORM pg_catalog.pg_advisory_lock(idempotency._lock_class(), h);
+		LOOP
+			PERFORM pg_catalog.pg_advisory_lock(idempotency._lock_class(), h);
+			BEGIN
+				now := pg_catalog.clock_timestamp();
+				SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
+				step := 'go';
+				row_held := false;
+				-- Another transaction is changing a key whose committed row is
+				-- this token's claim.  Without a dirty read the SQL edition
+				-- cannot see the new version, so it tells the change by the row
+				-- lock it holds, asked without waiting.  While the lease runs,
+				-- only the token's holder (an extend, checkpoint, finish or
+				-- release made elsewhere), a sweep moving sweep_at, or plain SQL
+				-- changes the key: an update of other columns than the key
+				-- leaves the token current and is waited for, as a row lock
+				-- waits (so a deadlock is detected), without the key's lock,
+				-- and the key is read again.  A delete (a release) or a plain
+				-- row lock is not waited for, and neither is any change once
+				-- the lease has ended (it may be a takeover): a lock still held
+				-- then refuses the call (55P03 below).  The probe's "busy" may
+				-- be stale (that transaction has ended) or read from a
+				-- transaction id that only looks running (an aborted row lock's
+				-- id that is also a live multixact's number), so the lock is
+				-- asked of the row itself; a version that is gone by then was
+				-- replaced by a change that has committed: read again.
+				IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
+				   AND p.token OPERATOR(pg_catalog.=) p_token
+				   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
+					hold := idempotency._row_hold(p.tid);
+					IF hold OPERATOR(pg_catalog.=) 'gone' THEN
+						step := 'again';
+					ELSIF hold OPERATOR(pg_catalog.=) 'update'
+					   AND p.lease_until OPERATOR(pg_catalog.>) now
+					   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)) THEN
+						step := 'wait';
+					ELSE
+						row_held := hold OPERATOR(pg_catalog.<>) 'free';
+					END IF;
+				END IF;
+			EXCEPTION WHEN OTHERS OR query_canceled THEN
+				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+				RAISE;
+			END;
+			EXIT WHEN step OPERATOR(pg_catalog.=) 'go';
+			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+			IF step OPERATOR(pg_catalog.=) 'wait' THEN
+				-- Wait as a row lock waits, so that a deadlock is detected.
+				-- The lock is held for an instant once the wait is over, and
+				-- another token call of the key may see it: FOR NO KEY
+				-- UPDATE reads there as an update and is waited for in turn,
+				-- where FOR SHARE would read as a plain row lock and refuse
+				-- that call.
+				BEGIN
+					PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid
+						FOR NO KEY UPDATE;
+					-- the lock only served to wait: roll it back at once
+					RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
+				EXCEPTION WHEN SQLSTATE 'IDW01' THEN
+					NULL;
+				END;
+			END IF;
+		END LOOP;
+		again := false;
 		BEGIN
-			now := pg_catalog.clock_timestamp();
-			SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
-			step := 'go';
-			row_held := false;
-			-- Another transaction is changing a key whose committed row is
-			-- this token's claim.  Without a dirty read the SQL edition
-			-- cannot see the new version, so it tells the change by the row
-			-- lock it holds, asked without waiting.  While the lease runs,
-			-- only the token's holder (an extend, checkpoint, finish or
-			-- release made elsewhere), a sweep moving sweep_at, or plain SQL
-			-- changes the key: an update of other columns than the key
-			-- leaves the token current and is waited for, as a row lock
-			-- waits (so a deadlock is detected), without the key's lock,
-			-- and the key is read again.  A delete (a release) or a plain
-			-- row lock is not waited for, and neither is any change once
-			-- the lease has ended (it may be a takeover): a lock still held
-			-- then refuses the call (55P03 below).  The probe's "busy" may
-			-- be stale (that transaction has ended) or read from a
-			-- transaction id that only looks running (an aborted row lock's
-			-- id that is also a live multixact's number), so the lock is
-			-- asked of the row itself; a version that is gone by then was
-			-- replaced by a change that has committed: read again.
-			IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
-			   AND p.token OPERATOR(pg_catalog.=) p_token
-			   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
-				hold := idempotency._row_hold(p.tid);
-				IF hold OPERATOR(pg_catalog.=) 'gone' THEN
-					step := 'again';
-				ELSIF hold OPERATOR(pg_catalog.=) 'update'
-				   AND p.lease_until OPERATOR(pg_catalog.>) now
-				   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)) THEN
-					step := 'wait';
+			-- what the committed row says is said whatever is in flight
+			IF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
+				RAISE EXCEPTION 'idempotency key % does not exist', disp
+					USING ERRCODE = 'P0002',
+						  DETAIL = 'It was never claimed, was released, or its retention has passed.';
+			END IF;
+			IF p.status OPERATOR(pg_catalog.<>) 'pending' THEN
+				IF kind OPERATOR(pg_catalog.=) 'finish' AND p.token OPERATOR(pg_catalog.=) p_token THEN
+					result := p.expires_at;
 				ELSE
-					row_held := hold OPERATOR(pg_catalog.<>) 'free';
+					RAISE EXCEPTION 'idempotency key % is already finished', disp
+						USING ERRCODE = '55000',
+							  DETAIL = CASE WHEN kind OPERATOR(pg_catalog.=) 'finish'
+								THEN 'Another attempt stored its result.'
+								ELSE pg_catalog.format('Its status is "%s".', p.status) END;
+				END IF;
+			ELSIF p.token IS DISTINCT FROM p_token THEN
+				RAISE EXCEPTION 'token % is not the current token of idempotency key %', p_token, disp
+					USING ERRCODE = '55006',
+						  DETAIL = CASE WHEN p.token IS NOT NULL
+							THEN pg_catalog.format('Attempt %s holds the key now.', p.attempt)
+							ELSE 'The sweeper reset the key after its lease ended.' END,
+						  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
+			END IF;
+			IF result IS NULL THEN
+				-- the token is current
+				IF row_held THEN
+					RAISE EXCEPTION 'could not % idempotency key %', kind, disp
+						USING ERRCODE = '55P03',
+							  DETAIL = 'Another transaction holds a row lock on this key.',
+							  HINT = 'Retry once that transaction has ended.';
+				END IF;
+				-- every writer of the key holds its advisory lock, which we hold:
+				-- the version probed is the one to write (no row lock, which
+				-- would stay on the new version and look like a change in flight)
+				locked := p.tid;
+				IF kind OPERATOR(pg_catalog.=) 'finish' THEN
+					result := now OPERATOR(pg_catalog.+) COALESCE(p_interval, p.retention);
+					UPDATE idempotency.keys k
+					   SET status = p_status, response_code = p_code,
+						   response_body = p_body, finished_at = now,
+						   lease_until = NULL, expires_at = result,
+						   sweep_at = LEAST(p.sweep_at, result), owner_session = NULL
+					 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
+				ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
+					result := now OPERATOR(pg_catalog.+) COALESCE(p_interval,
+						idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30'));
+					UPDATE idempotency.keys k
+					   SET lease_until = result,
+						   expires_at = GREATEST(now OPERATOR(pg_catalog.+) p.retention, result)
+					 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
+				ELSIF kind OPERATOR(pg_catalog.=) 'release' THEN
+					DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) locked;
+				ELSE
+					UPDATE idempotency.keys k
+					   SET phase = p_phase, phase_data = p_body
+					 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
+				END IF;
+				GET DIAGNOSTICS n = ROW_COUNT;
+				IF n OPERATOR(pg_catalog.=) 1 THEN
+					wrote := true;
+				ELSIF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' OR
+					  gone OPERATOR(pg_catalog.>=) 100 THEN
+					RAISE EXCEPTION 'idempotency key changed during a write'
+						USING ERRCODE = '40001',
+							  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
+							  HINT = 'Retry the transaction.';
+				ELSE
+					-- The version probed was replaced by a change that
+					-- committed since (see _probe): read the key again.  The
+					-- statement locked the newest version while it looked for
+					-- ours: roll that lock back, or a sweep that waits for it
+					-- while it holds the key's lock would wait for us, and we
+					-- for it.
+					RAISE EXCEPTION 'version gone' USING ERRCODE = 'IDW03';
 				END IF;
 			END IF;
-		EXCEPTION WHEN OTHERS OR query_canceled THEN
-			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-			RAISE;
-		END;
-		EXIT WHEN step OPERATOR(pg_catalog.=) 'go';
-		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-		IF step OPERATOR(pg_catalog.=) 'wait' THEN
-			-- wait as a row lock waits, so that a deadlock is detected
-			BEGIN
-				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid FOR SHARE;
-				-- the lock only served to wait: roll it back at once
-				RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
-			EXCEPTION WHEN SQLSTATE 'IDW01' THEN
-				NULL;
-			END;
-		END IF;
-	END LOOP;
-	BEGIN
-		-- what the committed row says is said whatever is in flight
-		IF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
-			RAISE EXCEPTION 'idempotency key % does not exist', disp
-				USING ERRCODE = 'P0002',
-					  DETAIL = 'It was never claimed, was released, or its retention has passed.';
-		END IF;
-		IF p.status OPERATOR(pg_catalog.<>) 'pending' THEN
-			IF kind OPERATOR(pg_catalog.=) 'finish' AND p.token OPERATOR(pg_catalog.=) p_token THEN
-				result := p.expires_at;
-			ELSE
-				RAISE EXCEPTION 'idempotency key % is already finished', disp
-					USING ERRCODE = '55000',
-						  DETAIL = CASE WHEN kind OPERATOR(pg_catalog.=) 'finish'
-							THEN 'Another attempt stored its result.'
-							ELSE pg_catalog.format('Its status is "%s".', p.status) END;
-			END IF;
-		ELSIF p.token IS DISTINCT FROM p_token THEN
-			RAISE EXCEPTION 'token % is not the current token of idempotency key %', p_token, disp
-				USING ERRCODE = '55006',
-					  DETAIL = CASE WHEN p.token IS NOT NULL
-						THEN pg_catalog.format('Attempt %s holds the key now.', p.attempt)
-						ELSE 'The sweeper reset the key after its lease ended.' END,
-					  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
-		END IF;
-		IF result IS NULL THEN
-			-- the token is current
-			IF row_held THEN
+		EXCEPTION
+			WHEN SQLSTATE 'IDW03' THEN
+				gone := gone OPERATOR(pg_catalog.+) 1;
+				result := NULL;
+				again := true;
+			WHEN lock_not_available THEN
+				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 				RAISE EXCEPTION 'could not % idempotency key %', kind, disp
 					USING ERRCODE = '55P03',
 						  DETAIL = 'Another transaction holds a row lock on this key.',
 						  HINT = 'Retry once that transaction has ended.';
-			END IF;
-			-- every writer of the key holds its advisory lock, which we hold:
-			-- the version probed is the one to write (no row lock, which
-			-- would stay on the new version and look like a change in flight)
-			locked := p.tid;
-			IF kind OPERATOR(pg_catalog.=) 'finish' THEN
-				result := now OPERATOR(pg_catalog.+) COALESCE(p_interval, p.retention);
-				UPDATE idempotency.keys k
-				   SET status = p_status, response_code = p_code,
-					   response_body = p_body, finished_at = now,
-					   lease_until = NULL, expires_at = result,
-					   sweep_at = LEAST(p.sweep_at, result), owner_session = NULL
-				 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-			ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
-				result := now OPERATOR(pg_catalog.+) COALESCE(p_interval,
-					idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30'));
-				UPDATE idempotency.keys k
-				   SET lease_until = result,
-					   expires_at = GREATEST(now OPERATOR(pg_catalog.+) p.retention, result)
-				 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-			ELSIF kind OPERATOR(pg_catalog.=) 'release' THEN
-				DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-			ELSE
-				UPDATE idempotency.keys k
-				   SET phase = p_phase, phase_data = p_body
-				 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-			END IF;
-			GET DIAGNOSTICS n = ROW_COUNT;
-			IF n OPERATOR(pg_catalog.<>) 1 THEN
-				RAISE EXCEPTION 'idempotency key changed during a write'
-					USING ERRCODE = '40001',
-						  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
-						  HINT = 'Retry the transaction.';
-			END IF;
-			wrote := true;
-		END IF;
-	EXCEPTION
-		WHEN lock_not_available THEN
-			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-			RAISE EXCEPTION 'could not % idempotency key %', kind, disp
-				USING ERRCODE = '55P03',
-					  DETAIL = 'Another transaction holds a row lock on this key.',
-					  HINT = 'Retry once that transaction has ended.';
-		WHEN OTHERS OR query_canceled THEN
-			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-			RAISE;
-	END;
-	PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+			WHEN OTHERS OR query_canceled THEN
+				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+				RAISE;
+		END;
+		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+	EXIT WHEN NOT again;
+	END LOOP;
 END;
 $$;
 
@@ -1843,7 +1884,7 @@ BEGIN
 					DELETE FROM idempotency.keys k
 					 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 					GET DIAGNOSTICS n = ROW_COUNT;
-					IF n OPERATOR(pg_catalog.>) 0 THEN done := 'expired'; END IF;
+					done := 'expired';
 				END IF;
 			ELSIF p.status OPERATOR(pg_catalog.=) 'pending' AND p.token IS NOT NULL AND NOT runs THEN
 				IF do_reset THEN
@@ -1851,18 +1892,24 @@ BEGIN
 					   SET token = NULL, sweep_at = p.expires_at, owner_session = NULL
 					 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 					GET DIAGNOSTICS n = ROW_COUNT;
-					IF n OPERATOR(pg_catalog.>) 0 THEN done := 'reset'; END IF;
+					done := 'reset';
 				END IF;
 			ELSIF NOT only_ended THEN
 				UPDATE idempotency.keys k
 				   SET sweep_at = CASE WHEN runs THEN p.lease_until ELSE p.expires_at END
 				 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 				GET DIAGNOSTICS n = ROW_COUNT;
-				IF n OPERATOR(pg_catalog.>) 0 THEN done := 'rescheduled'; END IF;
+				done := 'rescheduled';
+			END IF;
+			IF n OPERATOR(pg_catalog.=) 0 THEN
+				-- the version was replaced by a change that committed since
+				-- the probe: skipped, and the lock the statement took on the
+				-- newest version while it looked for ours is rolled back
+				RAISE EXCEPTION 'version gone' USING ERRCODE = 'IDW03';
 			END IF;
 		END IF;
 	EXCEPTION
-		WHEN serialization_failure THEN
+		WHEN serialization_failure OR SQLSTATE 'IDW03' THEN
 			done := NULL;		-- changed since our snapshot: skipped
 		WHEN OTHERS OR query_canceled THEN
 			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
