@@ -1466,7 +1466,6 @@ DECLARE
 	step text;
 	hold text;
 	row_held boolean;
-	again boolean;
 	gone integer := 0;
 BEGIN
 	IF kind IS NULL OR kind OPERATOR(pg_catalog.<>) ALL (ARRAY['finish', 'extend', 'release', 'checkpoint']) THEN
@@ -1494,95 +1493,71 @@ BEGIN
 	h := idempotency._key_hash(p_scope, p_key);
 	disp := idempotency._key_display(p_scope, p_key);
 	LOOP
-		LOOP
-			PERFORM pg_catalog.pg_advisory_lock(idempotency._lock_class(), h);
-			BEGIN
-				now := pg_catalog.clock_timestamp();
-				SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
-				step := 'go';
-				row_held := false;
-				-- Another transaction is changing a key whose committed row is
-				-- this token's claim.  Without a dirty read the SQL edition
-				-- cannot see the new version, so it tells the change by the row
-				-- lock it holds, asked without waiting.  While the lease runs,
-				-- only the token's holder (an extend, checkpoint, finish or
-				-- release made elsewhere), a sweep moving sweep_at, or plain SQL
-				-- changes the key: an update of other columns than the key
-				-- leaves the token current and is waited for, as a row lock
-				-- waits (so a deadlock is detected), without the key's lock,
-				-- and the key is read again.  A delete (a release) or a plain
-				-- row lock is not waited for, and neither is any change once
-				-- the lease has ended (it may be a takeover): a lock still held
-				-- then refuses the call (55P03 below).  The probe's "busy" may
-				-- be stale (that transaction has ended) or read from a
-				-- transaction id that only looks running (an aborted row lock's
-				-- id that is also a live multixact's number), so the lock is
-				-- asked of the row itself; a version that is gone by then was
-				-- replaced by a change that has committed: read again.
-				IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
-				   AND p.token OPERATOR(pg_catalog.=) p_token
-				   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
-					hold := idempotency._row_hold(p.tid);
-					IF hold OPERATOR(pg_catalog.=) 'gone' THEN
-						step := 'again';
-					ELSIF hold OPERATOR(pg_catalog.=) 'update'
-					   AND p.lease_until OPERATOR(pg_catalog.>) now
-					   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)) THEN
-						step := 'wait';
-					ELSE
-						row_held := hold OPERATOR(pg_catalog.<>) 'free';
-					END IF;
-				END IF;
-			EXCEPTION WHEN OTHERS OR query_canceled THEN
-				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-				RAISE;
-			END;
-			EXIT WHEN step OPERATOR(pg_catalog.=) 'go';
-			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-			IF step OPERATOR(pg_catalog.=) 'wait' THEN
-				-- Wait as a row lock waits, so that a deadlock is detected.
-				-- The lock is held for an instant once the wait is over, and
-				-- another token call of the key may see it: FOR NO KEY
-				-- UPDATE reads there as an update and is waited for in turn,
-				-- where FOR SHARE would read as a plain row lock and refuse
-				-- that call.
-				BEGIN
-					PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid
-						FOR NO KEY UPDATE;
-					-- the lock only served to wait: roll it back at once
-					RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
-				EXCEPTION WHEN SQLSTATE 'IDW01' THEN
-					NULL;
-				END;
-			END IF;
-		END LOOP;
-		again := false;
+		PERFORM pg_catalog.pg_advisory_lock(idempotency._lock_class(), h);
 		BEGIN
-			-- what the committed row says is said whatever is in flight
-			IF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
-				RAISE EXCEPTION 'idempotency key % does not exist', disp
-					USING ERRCODE = 'P0002',
-						  DETAIL = 'It was never claimed, was released, or its retention has passed.';
-			END IF;
-			IF p.status OPERATOR(pg_catalog.<>) 'pending' THEN
-				IF kind OPERATOR(pg_catalog.=) 'finish' AND p.token OPERATOR(pg_catalog.=) p_token THEN
-					result := p.expires_at;
+			now := pg_catalog.clock_timestamp();
+			SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
+			step := 'go';
+			row_held := false;
+			-- Another transaction is changing a key whose committed row is
+			-- this token's claim.  Without a dirty read the SQL edition
+			-- cannot see the new version, so it tells the change by the row
+			-- lock it holds, asked without waiting.  While the lease runs,
+			-- only the token's holder (an extend, checkpoint, finish or
+			-- release made elsewhere), a sweep moving sweep_at, or plain SQL
+			-- changes the key: an update of other columns than the key
+			-- leaves the token current and is waited for, as a row lock
+			-- waits (so a deadlock is detected), without the key's lock,
+			-- and the key is read again.  A delete (a release) or a plain
+			-- row lock is not waited for, and neither is any change once
+			-- the lease has ended (it may be a takeover): a lock still held
+			-- then refuses the call (55P03 below).  The probe's "busy" may
+			-- be stale (that transaction has ended) or read from a
+			-- transaction id that only looks running (an aborted row lock's
+			-- id that is also a live multixact's number), so the lock is
+			-- asked of the row itself; a version that is gone by then was
+			-- replaced by a change that has committed: read again.
+			IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
+			   AND p.token OPERATOR(pg_catalog.=) p_token
+			   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
+				hold := idempotency._row_hold(p.tid);
+				IF hold OPERATOR(pg_catalog.=) 'gone' THEN
+					step := 'again';
+				ELSIF hold OPERATOR(pg_catalog.=) 'update'
+				   AND p.lease_until OPERATOR(pg_catalog.>) now
+				   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)) THEN
+					step := 'wait';
 				ELSE
-					RAISE EXCEPTION 'idempotency key % is already finished', disp
-						USING ERRCODE = '55000',
-							  DETAIL = CASE WHEN kind OPERATOR(pg_catalog.=) 'finish'
-								THEN 'Another attempt stored its result.'
-								ELSE pg_catalog.format('Its status is "%s".', p.status) END;
+					row_held := hold OPERATOR(pg_catalog.<>) 'free';
 				END IF;
-			ELSIF p.token IS DISTINCT FROM p_token THEN
-				RAISE EXCEPTION 'token % is not the current token of idempotency key %', p_token, disp
-					USING ERRCODE = '55006',
-						  DETAIL = CASE WHEN p.token IS NOT NULL
-							THEN pg_catalog.format('Attempt %s holds the key now.', p.attempt)
-							ELSE 'The sweeper reset the key after its lease ended.' END,
-						  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
 			END IF;
-			IF result IS NULL THEN
+			IF step OPERATOR(pg_catalog.=) 'go' THEN
+				-- what the committed row says is said whatever is in flight
+				IF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
+					RAISE EXCEPTION 'idempotency key % does not exist', disp
+						USING ERRCODE = 'P0002',
+							  DETAIL = 'It was never claimed, was released, or its retention has passed.';
+				END IF;
+				IF p.status OPERATOR(pg_catalog.<>) 'pending' THEN
+					IF kind OPERATOR(pg_catalog.=) 'finish' AND p.token OPERATOR(pg_catalog.=) p_token THEN
+						result := p.expires_at;
+					ELSE
+						RAISE EXCEPTION 'idempotency key % is already finished', disp
+							USING ERRCODE = '55000',
+								  DETAIL = CASE WHEN kind OPERATOR(pg_catalog.=) 'finish'
+									THEN 'Another attempt stored its result.'
+									ELSE pg_catalog.format('Its status is "%s".', p.status) END;
+					END IF;
+				ELSIF p.token IS DISTINCT FROM p_token THEN
+					RAISE EXCEPTION 'token % is not the current token of idempotency key %', p_token, disp
+						USING ERRCODE = '55006',
+							  DETAIL = CASE WHEN p.token IS NOT NULL
+								THEN pg_catalog.format('Attempt %s holds the key now.', p.attempt)
+								ELSE 'The sweeper reset the key after its lease ended.' END,
+							  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
+				END IF;
+			END IF;
+			IF step OPERATOR(pg_catalog.=) 'go' AND result IS NULL THEN
 				-- the token is current
 				IF row_held THEN
 					RAISE EXCEPTION 'could not % idempotency key %', kind, disp
@@ -1639,7 +1614,7 @@ BEGIN
 			WHEN SQLSTATE 'IDW03' THEN
 				gone := gone OPERATOR(pg_catalog.+) 1;
 				result := NULL;
-				again := true;
+				step := 'again';
 			WHEN lock_not_available THEN
 				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
 				RAISE EXCEPTION 'could not % idempotency key %', kind, disp
@@ -1651,7 +1626,23 @@ BEGIN
 				RAISE;
 		END;
 		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-	EXIT WHEN NOT again;
+		EXIT WHEN step OPERATOR(pg_catalog.=) 'go';
+		IF step OPERATOR(pg_catalog.=) 'wait' THEN
+			-- Wait as a row lock waits, so that a deadlock is detected.
+			-- The lock is held for an instant once the wait is over, and
+			-- another token call of the key may see it: FOR NO KEY UPDATE
+			-- reads there as an update and is waited for in turn, where
+			-- FOR SHARE would read as a plain row lock and refuse that
+			-- call.
+			BEGIN
+				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid
+					FOR NO KEY UPDATE;
+				-- the lock only served to wait: roll it back at once
+				RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
+			EXCEPTION WHEN SQLSTATE 'IDW01' THEN
+				NULL;
+			END;
+		END IF;
 	END LOOP;
 END;
 $$;
