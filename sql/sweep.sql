@@ -157,6 +157,9 @@ SELECT * FROM idempotency.idem_sweep();
 SELECT count(*) AS rows FROM idempotency.keys WHERE scope = 'sweep-direct';
 COMMIT;
 
+-- A session with temporary tables may not write through triggers or rules
+-- (owner_search_path tests why): this one's are done with.
+DROP TABLE r, calls;
 CREATE TABLE sweep_log (scope text, key text, status text);
 CREATE FUNCTION sweep_log_delete() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN INSERT INTO public.sweep_log VALUES (OLD.scope, OLD.key, OLD.status); RETURN OLD; END $$;

@@ -26,6 +26,7 @@
  */
 #include "postgres.h"
 
+#include "access/amapi.h"
 #include "access/genam.h"
 #include "access/xact.h"
 #include "access/htup_details.h"
@@ -37,6 +38,8 @@
 #include "catalog/pg_index.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
+#include "nodes/nodeFuncs.h"
+#include "optimizer/optimizer.h"
 #include "storage/lmgr.h"
 #include "storage/sinval.h"
 #include "utils/builtins.h"
@@ -45,6 +48,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
+#include "utils/relcache.h"
 
 #include "store.h"
 
@@ -297,6 +301,76 @@ catalog_lock_index(const char *name, const char *suffix)
 	return relid;
 }
 
+/* A function a user created (not one of PostgreSQL's own)? */
+static bool
+catalog_user_function(Oid funcid, void *context)
+{
+	return funcid >= FirstNormalObjectId;
+}
+
+/* Does the expression "node" call a function a user created? */
+static bool
+catalog_calls_user_function(Node *node, void *context)
+{
+	if (node == NULL)
+		return false;
+	if (check_functions_in_node(node, catalog_user_function, context))
+		return true;
+	return expression_tree_walker(node, catalog_calls_user_function, context);
+}
+
+/*
+ * Can a write of the table run code that a user attached to it?  Triggers
+ * (a foreign key that references the table has them), rules, row security
+ * and stored generated columns run in the executor's statements; a CHECK
+ * constraint, an index's expressions, predicate, operator class or access
+ * method run in every write, and may call functions a user wrote.
+ * PostgreSQL's own functions there resolve no names when they run.
+ */
+static bool
+catalog_runs_user_code(Relation heap)
+{
+	TupleConstr *constr = RelationGetDescr(heap)->constr;
+	List	   *indexes;
+	ListCell   *lc;
+	bool		found = false;
+
+	if (heap->trigdesc != NULL || heap->rd_rules != NULL ||
+		heap->rd_rel->relrowsecurity ||
+		heap->rd_rel->relam >= FirstNormalObjectId ||
+		(constr != NULL && constr->has_generated_stored))
+		return true;
+	for (int i = 0; constr != NULL && i < constr->num_check && !found; i++)
+		found = catalog_calls_user_function(stringToNode(constr->check[i].ccbin),
+											NULL);
+	indexes = RelationGetIndexList(heap);
+	foreach(lc, indexes)
+	{
+		Relation	index = index_open(lfirst_oid(lc), AccessShareLock);
+		int			nprocs = IndexRelationGetNumberOfKeyAttributes(index) *
+			index->rd_indam->amsupport;
+
+		found = found || index->rd_rel->relam >= FirstNormalObjectId ||
+			catalog_calls_user_function((Node *) RelationGetIndexExpressions(index), NULL) ||
+			catalog_calls_user_function((Node *) RelationGetIndexPredicate(index), NULL);
+		for (int i = 0; i < nprocs && !found; i++)
+			found = index->rd_support[i] >= FirstNormalObjectId;
+		if (index->rd_index->indisexclusion && !found)
+		{
+			Oid		   *operators;
+			Oid		   *procs;
+			uint16	   *strategies;
+
+			RelationGetExclusionInfo(index, &operators, &procs, &strategies);
+			for (int i = 0; i < IndexRelationGetNumberOfKeyAttributes(index); i++)
+				found = found || procs[i] >= FirstNormalObjectId;
+		}
+		index_close(index, AccessShareLock);
+	}
+	list_free(indexes);
+	return found;
+}
+
 /*
  * Lock the indexes of the table found->keys, named as the extension names
  * them followed by "suffix" (Citus names a shard's relations after the
@@ -314,6 +388,7 @@ catalog_check_store(IdemCatalog *found, const char *suffix)
 	heap = table_open(found->keys, AccessShareLock);
 	found->ncols = catalog_check_columns(heap);
 	found->owner = heap->rd_rel->relowner;
+	found->user_code = catalog_runs_user_code(heap);
 	table_close(heap, NoLock);
 	catalog_check_index(found->pkey, found->keys, 2, KEYS_COL_SCOPE, KEYS_COL_KEY,
 						false);

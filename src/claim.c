@@ -611,6 +611,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	ClaimArgs	args;
 	MemoryContext outer = CurrentMemoryContext;
 	MemoryContext elem_cxt;
+	IdemTokenBatch outer_batch;
 
 	idem_arg_array(fcinfo, 0, "keys", true, TEXTOID, &keys);
 	idem_arg_array(fcinfo, 1, "requests", false, JSONBOID, &requests);
@@ -629,7 +630,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	elem_cxt = AllocSetContextCreate(outer, "idempotency batch element",
 									 ALLOCSET_SMALL_SIZES);
 	/* one WAL flush for the batch's tokens, when it returns them */
-	idem_write_defer_token_flush();
+	idem_write_defer_token_flush(&outer_batch);
 	PG_TRY();
 	{
 		for (int i = 0; i < keys.n; i++)
@@ -662,11 +663,11 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	}
 	PG_CATCH();
 	{
-		idem_write_flush_tokens(false);
+		idem_write_flush_tokens(&outer_batch, false);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
-	idem_write_flush_tokens(true);
+	idem_write_flush_tokens(&outer_batch, true);
 	MemoryContextDelete(elem_cxt);
 	PG_RETURN_VOID();
 }

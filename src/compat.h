@@ -93,4 +93,18 @@ typedef bool IdemUpdateIndexes;
 #define IDEM_MODULE_MAGIC			PG_MODULE_MAGIC
 #endif
 
+/*
+ * Minor releases of May 2025 (17.5, 16.9, 15.13): whether synchronous
+ * standbys are defined is one flag of WalSndCtl's sync_standbys_status;
+ * before, a bool of its own.
+ */
+#if PG_VERSION_NUM >= 170005 || \
+	(PG_VERSION_NUM >= 160009 && PG_VERSION_NUM < 170000) || \
+	(PG_VERSION_NUM >= 150013 && PG_VERSION_NUM < 160000)
+#define IDEM_SYNC_STANDBYS_DEFINED(ctl) \
+	(((ctl)->sync_standbys_status & SYNC_STANDBY_DEFINED) != 0)
+#else
+#define IDEM_SYNC_STANDBYS_DEFINED(ctl)	((ctl)->sync_standbys_defined)
+#endif
+
 #endif							/* IDEMPOTENCY_COMPAT_H */

@@ -225,11 +225,14 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 		 * the row as SELECT ... FOR UPDATE SKIP LOCKED does, which also reads
 		 * it; the update then finds it locked by this transaction alone and
 		 * does not wait.  A row that only this transaction locks is locked at
-		 * once.
+		 * once.  The lock is FOR NO KEY UPDATE, the mode of the update itself
+		 * (no write changes scope or key): a stronger one would make the
+		 * update record both modes in a MultiXact.
 		 */
 		result = table_tuple_lock(direct->heap, &otid, InvalidSnapshot, old,
 								  GetCurrentCommandId(true),
-								  LockTupleExclusive, LockWaitSkip, 0, &tmfd);
+								  LockTupleNoKeyExclusive, LockWaitSkip, 0,
+								  &tmfd);
 		if (result != TM_Ok)
 			return direct_result(result, "locking");
 	}

@@ -271,6 +271,18 @@ token_call_begin(TokenCall *call)
 			return false;
 		}
 	}
+	else if (row->busy && !row->found)
+	{
+		/*
+		 * No committed version: the key is absent (released, swept or never
+		 * claimed) while another transaction inserts it, or inserts and
+		 * deletes it.  Absent is what the committed state says, whatever
+		 * that transaction does: P0002, as for a key past its retention.
+		 */
+		TokenView	view = {false};
+
+		(void) token_call_judge(call, &view);
+	}
 	if (row->busy || row->locked)
 		token_call_raise_busy(call);
 	{

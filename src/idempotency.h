@@ -38,6 +38,7 @@
 #ifndef IDEMPOTENCY_H
 #define IDEMPOTENCY_H
 
+#include "access/xlogdefs.h"
 #include "datatype/timestamp.h"
 #include "storage/itemptr.h"
 #include "utils/relcache.h"
@@ -234,8 +235,15 @@ IDEM_NORETURN extern void idem_catalog_refuse_missing(const char *what);
 /* ---- write.c ---- */
 extern int64 idem_write_next_token(void);
 extern int64 idem_write_claim_token(const IdemRow *old);
-extern void idem_write_defer_token_flush(void);
-extern void idem_write_flush_tokens(bool flush);
+/* The token flush state of a batch around another (write.c). */
+typedef struct IdemTokenBatch
+{
+	bool		deferred;
+	XLogRecPtr	lsn;
+} IdemTokenBatch;
+
+extern void idem_write_defer_token_flush(IdemTokenBatch *outer);
+extern void idem_write_flush_tokens(const IdemTokenBatch *outer, bool flush);
 extern void idem_write_insert_claim(text *scope, text *key, int64 token,
 									const uint8 *fingerprint,
 									TimestampTz now, TimestampTz lease_until,

@@ -23,16 +23,29 @@
  */
 #include "postgres.h"
 
+#include "access/genam.h"
+#include "access/htup_details.h"
 #include "access/relation.h"
+#include "access/table.h"
 #include "access/xact.h"
 #include "access/xlog.h"
+#include "catalog/dependency.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_depend.h"
+#include "catalog/pg_namespace.h"
+#include "catalog/pg_class.h"
 #include "catalog/pg_type.h"
 #include "commands/sequence.h"
 #include "executor/spi.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
+#include "replication/syncrep.h"
+#include "replication/walsender.h"
+#include "replication/walsender_private.h"
+#include "storage/lwlock.h"
 #include "storage/bufmgr.h"
 #include "utils/builtins.h"
+#include "utils/fmgroids.h"
 #include "utils/guc.h"
 #include "utils/resowner.h"
 #include "utils/timestamp.h"
@@ -132,40 +145,104 @@ typedef struct WriteSection
 {
 	Oid			saved_userid;
 	int			saved_sec_context;
-	int			guc_nestlevel;
+	int			guc_nestlevel;	/* 0: no user code runs, nothing pinned */
 } WriteSection;
 
 /*
- * Act as the table's owner, with restricted security and search_path set
- * to pg_catalog, pg_temp, until write_section_end: the caller need not
- * have any privilege on the table, nothing the table's owner attached (a
- * trigger, a rule, a CHECK constraint, an index expression) can change
- * session state, and none of it can resolve a name in a schema the caller
- * controls, as PostgreSQL runs index expressions in its maintenance
- * commands.  The saved identity is kept on the caller's stack, so that a
- * section opened inside another one (a trigger on the table that calls
- * these functions) restores what its own caller had.  An ERROR in between
- * is cleaned up by transaction (or subtransaction) abort, which also
- * unwinds the GUC nest level.
+ * Does the caller's session have temporary tables or types, the objects
+ * PostgreSQL finds in its temporary schema by an unqualified name (it
+ * never looks functions or operators up there)?  Every object of a schema
+ * depends on it: the entries of pg_depend that reference the session's
+ * temporary schema list them.
+ */
+static bool
+write_caller_has_temp_objects(void)
+{
+	Oid			temp_namespace;
+	Oid			temp_toast_namespace;
+	Relation	depend;
+	ScanKeyData key[2];
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	bool		found;
+
+	GetTempNamespaceState(&temp_namespace, &temp_toast_namespace);
+	if (!OidIsValid(temp_namespace))
+		return false;
+	depend = table_open(DependRelationId, AccessShareLock);
+	ScanKeyInit(&key[0], Anum_pg_depend_refclassid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(NamespaceRelationId));
+	ScanKeyInit(&key[1], Anum_pg_depend_refobjid, BTEqualStrategyNumber,
+				F_OIDEQ, ObjectIdGetDatum(temp_namespace));
+	scan = systable_beginscan(depend, DependReferenceIndexId, true, NULL, 2, key);
+	found = false;
+	while (!found && HeapTupleIsValid(tuple = systable_getnext(scan)))
+	{
+		Oid			classid = ((Form_pg_depend) GETSTRUCT(tuple))->classid;
+
+		found = classid == RelationRelationId || classid == TypeRelationId;
+	}
+	systable_endscan(scan);
+	table_close(depend, AccessShareLock);
+	return found;
+}
+
+/*
+ * Act as the table's owner, with restricted security, until
+ * write_section_end: the caller need not have any privilege on the table,
+ * and nothing the table's owner attached can change session state.
+ *
+ * When a write can run code a user attached (a trigger, a rule, row
+ * security, a function in a CHECK constraint or an index), search_path is
+ * also pinned to pg_catalog, pg_temp, so that none of it resolves a name
+ * in a schema the caller controls, as PostgreSQL runs index expressions in
+ * its maintenance commands.  There, unlike in those commands, pg_temp is
+ * the caller's own temporary schema, and PostgreSQL looks tables and types
+ * up in it whatever the path says: a caller's temporary table named like
+ * an unqualified table in a trigger would receive a write made with the
+ * owner's rights, and its own triggers would run as the owner.  So such a
+ * write is refused while the caller's session has temporary objects.
+ *
+ * The saved identity is kept on the caller's stack, so that a section
+ * opened inside another one (a trigger on the table that calls these
+ * functions) restores what its own caller had.  An ERROR in between is
+ * cleaned up by transaction (or subtransaction) abort, which also unwinds
+ * the GUC nest level.
  */
 static void
 write_section_begin(WriteSection *section)
 {
-	Oid			owner = idem_catalog()->owner;
+	const IdemCatalog *catalog = idem_catalog();
 
+	if (catalog->user_code && write_caller_has_temp_objects())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot write idempotency keys while this session has temporary objects"),
+				 errdetail("idempotency.keys has triggers, rules, row security or functions in its constraints or indexes, which run with its owner's rights, and PostgreSQL looks unqualified table and type names up in the session's temporary schema first."),
+				 errhint("Drop this session's temporary tables and types (DISCARD TEMP), or call the function from a session without them.")));
 	GetUserIdAndSecContext(&section->saved_userid, &section->saved_sec_context);
-	SetUserIdAndSecContext(owner, section->saved_sec_context |
+	SetUserIdAndSecContext(catalog->owner, section->saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
-	section->guc_nestlevel = NewGUCNestLevel();
-	(void) set_config_option("search_path", "pg_catalog, pg_temp", PGC_USERSET,
-							 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
+	section->guc_nestlevel = 0;
+	if (catalog->user_code)
+	{
+		section->guc_nestlevel = NewGUCNestLevel();
+		(void) set_config_option("search_path", "pg_catalog, pg_temp",
+								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+								 true, 0, false);
+	}
 }
 
+/*
+ * Whatever the section's code set (even with SET or set_config(..., false))
+ * ends with it, as in PostgreSQL's own restricted sections.
+ */
 static void
 write_section_end(WriteSection *section)
 {
-	AtEOXact_GUC(true, section->guc_nestlevel);
+	if (section->guc_nestlevel != 0)
+		AtEOXact_GUC(false, section->guc_nestlevel);
 	SetUserIdAndSecContext(section->saved_userid, section->saved_sec_context);
 }
 
@@ -220,12 +297,14 @@ write_rule_sql(const WriteRule *rule, Oid *argtypes, int *nargs)
 	else
 	{
 		appendStringInfoString(&sql, " WHERE ctid OPERATOR(pg_catalog.=) $1");
+		/* an update locks as it writes: FOR NO KEY UPDATE (direct.c) */
 		if (rule->skip_busy)
-			appendStringInfoString(&sql,
-								   " AND ctid OPERATOR(pg_catalog.=) ("
-								   "SELECT ctid FROM idempotency.keys "
-								   "WHERE ctid OPERATOR(pg_catalog.=) $1 "
-								   "FOR UPDATE SKIP LOCKED)");
+			appendStringInfo(&sql,
+							 " AND ctid OPERATOR(pg_catalog.=) ("
+							 "SELECT ctid FROM idempotency.keys "
+							 "WHERE ctid OPERATOR(pg_catalog.=) $1 "
+							 "FOR %s SKIP LOCKED)",
+							 rule->cmd == CMD_UPDATE ? "NO KEY UPDATE" : "UPDATE");
 	}
 	pfree(vals.data);
 	return sql.data;
@@ -307,7 +386,7 @@ write_execute(WriteKind kind, const WriteRow *row)
 	(void) set_config_option("enable_seqscan", "off", PGC_USERSET,
 							 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
 	rc = SPI_execute_plan(plan, values, nulls, false, 0);
-	AtEOXact_GUC(true, save_nestlevel);
+	AtEOXact_GUC(false, save_nestlevel);
 	if (rc != (rule->cmd == CMD_INSERT ? SPI_OK_INSERT :
 			   rule->cmd == CMD_UPDATE ? SPI_OK_UPDATE : SPI_OK_DELETE))
 		elog(ERROR, "idempotency statement failed: %s",
@@ -712,7 +791,8 @@ static XLogRecPtr token_flush_lsn = InvalidXLogRecPtr;
  * the LSN of its page.  A sequence logs its position ahead (every 32
  * values, and at the first nextval after a checkpoint) and sets the page's
  * LSN to that record; the values handed out until the next such record,
- * by any backend, are covered by it.
+ * by any backend, are covered by it.  A pin is enough to read the LSN
+ * (BufferGetLSNAtomic), as for any page another backend may be changing.
  */
 static XLogRecPtr
 token_sequence_lsn(Oid seqid)
@@ -721,23 +801,70 @@ token_sequence_lsn(Oid seqid)
 	Buffer		buf = ReadBuffer(seqrel, 0);
 	XLogRecPtr	lsn;
 
-	LockBuffer(buf, BUFFER_LOCK_SHARE);
-	lsn = PageGetLSN(BufferGetPage(buf));
-	UnlockReleaseBuffer(buf);
+	lsn = BufferGetLSNAtomic(buf);
+	ReleaseBuffer(buf);
 	relation_close(seqrel, NoLock);
 	return lsn;
 }
 
 /*
+ * Has every synchronous standby that a commit would wait for confirmed
+ * the WAL up to "lsn" (or is there none to wait for)?
+ */
+static bool
+token_on_standbys(XLogRecPtr lsn)
+{
+	bool		done;
+	int			mode;
+
+	if (!SyncRepRequested())
+		return true;
+	/* what SyncRepWaitForLSN waits for outside a commit */
+	mode = synchronous_commit == SYNCHRONOUS_COMMIT_REMOTE_WRITE ?
+		SYNC_REP_WAIT_WRITE : SYNC_REP_WAIT_FLUSH;
+	LWLockAcquire(SyncRepLock, LW_SHARED);
+	done = !IDEM_SYNC_STANDBYS_DEFINED(WalSndCtl) ||
+		lsn <= WalSndCtl->lsn[mode];
+	LWLockRelease(SyncRepLock);
+	return done;
+}
+
+/*
+ * Make the sequence record at "lsn" as durable as a commit would be before
+ * a token it covers leaves the server: flushed here, and confirmed by the
+ * synchronous standbys a commit waits for, so that a standby promoted
+ * after a failover never hands the token out again.  Both return at once
+ * when that is so already (the sequence logs every 32 values).  A cancel
+ * during the standby wait ends the wait with PostgreSQL's warning; the
+ * token then does not leave (57014).
+ */
+static void
+token_make_durable(XLogRecPtr lsn)
+{
+	XLogFlush(lsn);
+	if (token_on_standbys(lsn))
+		return;
+	HOLD_INTERRUPTS();
+	SyncRepWaitForLSN(lsn, false);
+	RESUME_INTERRUPTS();
+	CHECK_FOR_INTERRUPTS();
+	if (!token_on_standbys(lsn))
+		ereport(ERROR,
+				(errcode(ERRCODE_QUERY_CANCELED),
+				 errmsg("canceling statement due to user request"),
+				 errdetail("The synchronous standby had not confirmed the fencing token's sequence record yet; no token was handed out.")));
+}
+
+/*
  * The next fencing token: larger than every token issued before, even
- * across a crash.  The sequence record that covers a value may have been
- * written by another backend and not be flushed yet (flushing is left to
- * commit), so a token of a transaction that never commits, or of one cut
- * short by a crash, could be issued again after the crash.  The caller
- * may already have passed the token to a downstream system: flush the WAL
- * up to the sequence page's LSN before the token leaves the server, now
- * (a no-op when it is flushed already), or, in a batch, once when the
- * batch returns its tokens.
+ * across a crash or a failover to a synchronous standby.  The sequence
+ * record that covers a value may have been written by another backend and
+ * not be flushed yet (flushing is left to commit), so a token of a
+ * transaction that never commits, or of one cut short by a crash, could be
+ * issued again after the crash.  The caller may already have passed the
+ * token to a downstream system: make the record durable
+ * (token_make_durable) before the token leaves the server, now, or, in a
+ * batch, once when the batch returns its tokens.
  */
 int64
 idem_write_next_token(void)
@@ -751,7 +878,7 @@ idem_write_next_token(void)
 	if (token_flush_deferred)
 		token_flush_lsn = Max(token_flush_lsn, lsn);
 	else
-		XLogFlush(lsn);
+		token_make_durable(lsn);
 	return token;
 }
 
@@ -774,22 +901,31 @@ idem_write_claim_token(const IdemRow *old)
 /*
  * A batch of claims begins: the tokens it draws reach the client only when
  * it returns, so their WAL is flushed once then (idem_write_flush_tokens)
- * instead of every 32 tokens.  idem_write_flush_tokens must follow, also
- * on error (with flush false: no token leaves).
+ * instead of every 32 tokens.  "outer" keeps the state of a batch this one
+ * runs inside (a trigger on the table that calls idem_claim_many), which
+ * idem_write_flush_tokens restores; it must follow, also on error (with
+ * flush false: no token leaves).
  */
 void
-idem_write_defer_token_flush(void)
+idem_write_defer_token_flush(IdemTokenBatch *outer)
 {
+	outer->deferred = token_flush_deferred;
+	outer->lsn = token_flush_lsn;
 	token_flush_deferred = true;
 	token_flush_lsn = InvalidXLogRecPtr;
 }
 
-/* The batch's tokens are about to leave: flush what they need (if "flush"). */
+/*
+ * The batch's tokens are about to leave: make durable what they need (if
+ * "flush"), and go back to the state of the batch around it, if any.
+ */
 void
-idem_write_flush_tokens(bool flush)
+idem_write_flush_tokens(const IdemTokenBatch *outer, bool flush)
 {
-	if (flush && token_flush_lsn != InvalidXLogRecPtr)
-		XLogFlush(token_flush_lsn);
-	token_flush_deferred = false;
-	token_flush_lsn = InvalidXLogRecPtr;
+	XLogRecPtr	lsn = token_flush_lsn;
+
+	token_flush_deferred = outer->deferred;
+	token_flush_lsn = outer->lsn;
+	if (flush && lsn != InvalidXLogRecPtr)
+		token_make_durable(lsn);
 }
