@@ -209,6 +209,20 @@ write_caller_has_temp_objects(void)
  * cleaned up by transaction (or subtransaction) abort, which also unwinds
  * the GUC nest level.
  */
+/*
+ * Pin search_path in a section that runs a user's code: at its start and
+ * again before each row, so that a path one row's trigger set does not
+ * carry over to the next row.
+ */
+static void
+write_section_pin(WriteSection *section)
+{
+	if (section->guc_nestlevel != 0)
+		(void) set_config_option("search_path", "pg_catalog, pg_temp",
+								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+								 true, 0, false);
+}
+
 static void
 write_section_begin(WriteSection *section)
 {
@@ -228,9 +242,7 @@ write_section_begin(WriteSection *section)
 	if (catalog->user_code)
 	{
 		section->guc_nestlevel = NewGUCNestLevel();
-		(void) set_config_option("search_path", "pg_catalog, pg_temp",
-								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
-								 true, 0, false);
+		write_section_pin(section);
 	}
 }
 
@@ -510,6 +522,8 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 		for (int i = 0; i < n; i++)
 		{
 			CHECK_FOR_INTERRUPTS();
+			/* what one row's code set does not carry over to the next */
+			write_section_pin(&section);
 			if (write_direct(&direct, rule, columns, &rows[i]))
 				done++;
 			else if (!rule->skip_busy)
@@ -536,6 +550,7 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 			uint64		written;
 
 			CHECK_FOR_INTERRUPTS();
+			write_section_pin(&section);
 			if (rule->skip_busy && IsolationUsesXactSnapshot())
 				written = write_execute_skipping(kind, &rows[i]);
 			else
