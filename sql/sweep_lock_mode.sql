@@ -1,20 +1,23 @@
 --
 -- sweep_lock_mode.sql: the sweep locks a row it resets or reschedules in
 -- the mode of its update, FOR NO KEY UPDATE (no sweep write changes scope
--- or key).  A stronger lock would make the update record both modes in a
--- MultiXact, one more WAL record and a MultiXact member per swept row.
--- Read from the replaced row version, in the sweeping transaction: its
--- xmax is that transaction's id, not a MultiXact.  Both ways of writing:
--- straight to the table, and through the statement (a trigger on it).
+-- or key).  With FOR UPDATE, the update takes the stronger of the two
+-- modes and is recorded as changing the key (HEAP_KEYS_UPDATED on the
+-- replaced version), which a FOR KEY SHARE lock, such as a foreign key's
+-- check, has to wait for.  Read from the replaced row version, in the
+-- sweeping transaction: its xmax is this transaction's, a plain update.
+-- Both ways of writing: straight to the table, and through the statement
+-- (a trigger on it).
 --
 \set VERBOSITY sqlstate
 CREATE EXTENSION IF NOT EXISTS pageinspect;
 
--- the replaced version of the row at "tid": is its xmax a MultiXact, and
--- is it this transaction?
-CREATE FUNCTION pg_temp.old_version(tid tid) RETURNS TABLE (multi boolean, mine boolean)
+-- the replaced version of the row at "tid": was it updated as a change of
+-- its key, is its xmax a MultiXact, and is it this transaction's?
+CREATE FUNCTION pg_temp.old_version(tid tid)
+RETURNS TABLE (keys_updated boolean, multi boolean, mine boolean)
 LANGUAGE sql AS $$
-	SELECT (t_infomask & 4096) <> 0,
+	SELECT (t_infomask2 & 8192) <> 0, (t_infomask & 4096) <> 0,
 	       t_xmax::text::bigint = pg_current_xact_id()::text::bigint % 4294967296
 	  FROM heap_page_items(get_raw_page('idempotency.keys',
 	                                    (tid::text::point)[0]::int))

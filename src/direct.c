@@ -226,8 +226,9 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 		 * it; the update then finds it locked by this transaction alone and
 		 * does not wait.  A row that only this transaction locks is locked at
 		 * once.  The lock is FOR NO KEY UPDATE, the mode of the update itself
-		 * (no write changes scope or key): a stronger one would make the
-		 * update record both modes in a MultiXact.
+		 * (no write changes scope or key): after a stronger one, the update
+		 * keeps the stronger mode and counts as a change of the key, which a
+		 * FOR KEY SHARE lock (a foreign key's check) has to wait for.
 		 */
 		result = table_tuple_lock(direct->heap, &otid, InvalidSnapshot, old,
 								  GetCurrentCommandId(true),
