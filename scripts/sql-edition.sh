@@ -16,7 +16,7 @@
 #
 # Both carry the same text, sql-edition/idempotency.sql.  The SQL
 # edition's code is its SQL, so each release registers a new version,
-# named by the release's library version (1.6.3), rather than changing a
+# named by the release's library version (1.6.4), rather than changing a
 # registered one; only the first, 1.6, is the control file's
 # default_version.  `make sql-edition` runs this script.
 set -euo pipefail
