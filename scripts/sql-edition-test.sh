@@ -49,6 +49,7 @@ declare -A skip=(
 	[session_bound]="ends a session binding with pg_advisory_unlock_all(), which the SQL edition's bindings (pid and backend start) outlive; its output then holds timestamps"
 	[stats_key_counts]="creates its database from template0, where pg_tle has not registered idempotency (pg_tle registers per database)"
 	[owner_temp_objects]="the SQL edition does not yet refuse owner-rights writes in a session with temporary tables (a known gap: sql-edition/README.md)"
+	[owner_settings]="in the SQL edition a trigger's set_config(..., false) still outlives the write (a known gap: sql-edition/README.md)"
 )
 if [[ $mode == plain ]]; then
 	skip[version]="the plain installer creates no extension (pg_extension has no row)"

@@ -5,7 +5,7 @@
 -- modes and is recorded as changing the key (HEAP_KEYS_UPDATED on the
 -- replaced version), which a FOR KEY SHARE lock, such as a foreign key's
 -- check, has to wait for.  Read from the replaced row version, in the
--- sweeping transaction: its xmax is this transaction's, a plain update.
+-- sweeping transaction: its xmax is a plain transaction id.
 -- Both ways of writing: straight to the table, and through the statement
 -- (a trigger on it).
 --
@@ -13,12 +13,12 @@
 CREATE EXTENSION IF NOT EXISTS pageinspect;
 
 -- the replaced version of the row at "tid": was it updated as a change of
--- its key, is its xmax a MultiXact, and is it this transaction's?
+-- its key, is its xmax a MultiXact, and has it an updater at all?
 CREATE FUNCTION pg_temp.old_version(tid tid)
-RETURNS TABLE (keys_updated boolean, multi boolean, mine boolean)
+RETURNS TABLE (keys_updated boolean, multi boolean, replaced boolean)
 LANGUAGE sql AS $$
 	SELECT (t_infomask2 & 8192) <> 0, (t_infomask & 4096) <> 0,
-	       t_xmax::text::bigint = pg_current_xact_id()::text::bigint % 4294967296
+	       t_xmax::text <> '0'
 	  FROM heap_page_items(get_raw_page('idempotency.keys',
 	                                    (tid::text::point)[0]::int))
 	 WHERE lp = (tid::text::point)[1]::int
