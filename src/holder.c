@@ -276,8 +276,8 @@ token_call_begin(TokenCall *call)
 		/*
 		 * No committed version: the key is absent (released, swept or never
 		 * claimed) while another transaction inserts it, or inserts and
-		 * deletes it.  Absent is what the committed state says, whatever
-		 * that transaction does: P0002, as for a key past its retention.
+		 * deletes it.  Absent is what the committed state says, whatever that
+		 * transaction does: P0002, as for a key past its retention.
 		 */
 		TokenView	view = {false};
 

@@ -235,6 +235,7 @@ IDEM_NORETURN extern void idem_catalog_refuse_missing(const char *what);
 /* ---- write.c ---- */
 extern int64 idem_write_next_token(void);
 extern int64 idem_write_claim_token(const IdemRow *old);
+
 /* The token flush state of a batch around another (write.c). */
 typedef struct IdemTokenBatch
 {

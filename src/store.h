@@ -85,8 +85,8 @@ typedef struct IdemCatalog
 	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_0 before 1.4 */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
-	bool		user_code;		/* a write can run code a user attached to
-								 * the table (catalog_runs_user_code) */
+	bool		user_code;		/* a write can run code a user attached to the
+								 * table (catalog_runs_user_code) */
 	int64		shardid;		/* 0, or the Citus shard these relations are
 								 * (keys_<shardid> and its indexes) */
 } IdemCatalog;
