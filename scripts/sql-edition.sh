@@ -14,15 +14,29 @@
 #                          directly, in one transaction; running it again
 #                          upgrades in place and keeps every key.
 #
-# Both carry the same text, sql-edition/idempotency.sql.  The SQL
+# Both carry the same text: the newest version's script is the parts in
+# sql-edition/src/ (NN_part.sql), joined in the order of their names, each
+# without the header comment that opens it (what the part owns is for its
+# readers; the generated script keeps its section banners).  The SQL
 # edition's code is its SQL, so each release registers a new version,
 # named by the release's library version (1.6.4), rather than changing a
 # registered one; only the first, 1.6, is the control file's
 # default_version.  `make sql-edition` runs this script.
+#
+# scripts/sql-edition.sh --freeze VERSION: write the newest version's
+# script, VERSION in idem_version(), to sql-edition/idempotency--VERSION.sql,
+# as a release must before the next version begins (VERSION must be the
+# newest in sql-edition/versions, and the parts as that release left them).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${1:-$root/dist/sql-edition}
+freeze=
+if [[ ${1-} == --freeze ]]; then
+	[[ $# == 2 ]] || { echo "usage: scripts/sql-edition.sh --freeze VERSION" >&2; exit 2; }
+	freeze=$2
+else
+	out=${1:-$root/dist/sql-edition}
+fi
 src=$root/sql-edition
 
 default=$(sed -n "s/^default_version *= *'\(.*\)'.*/\1/p" "$root/idempotency.control")
@@ -30,6 +44,55 @@ default=$(sed -n "s/^default_version *= *'\(.*\)'.*/\1/p" "$root/idempotency.con
 mapfile -t versions < <(grep -v '^\s*\(#\|$\)' "$src/versions" | tr -d ' \t')
 ((${#versions[@]})) || { echo "sql-edition: no versions in $src/versions" >&2; exit 1; }
 newest=${versions[-1]}
+
+# The newest version's text with @IDEM_VERSION@ still in it: the parts,
+# each without its header (the comment block that opens it, from a line
+# "/*---..." to the lines " *---..." and " */", and the blank line after
+# it), joined by one blank line.
+parts_text() {
+	local parts
+	mapfile -t parts < <(printf '%s\n' "$src"/src/[0-9][0-9]_*.sql | LC_ALL=C sort)
+	[[ -f ${parts[0]} ]] || { echo "sql-edition: no parts in sql-edition/src/" >&2; return 1; }
+	awk '
+		function bad() {
+			print "sql-edition: the header of " part " does not end with \" *---...\" and \" */\"" > "/dev/stderr"
+			failed = 1
+			exit 1
+		}
+		FNR == 1 {
+			if (head) bad()
+			if (NR > 1) print ""
+			part = FILENAME
+			head = /^\/\*-+$/
+			blank = 0
+		}
+		head {
+			if ($0 == " */") {
+				if (prev !~ /^ \*-+$/) bad()
+				head = 0
+				blank = 1
+			}
+			prev = $0
+			next
+		}
+		blank { blank = 0; if ($0 == "") next }
+		{ print }
+		END { if (failed || head) { if (!failed) bad(); exit 1 } }' "${parts[@]}"
+}
+
+if [[ -n $freeze ]]; then
+	[[ $freeze == "$newest" ]] || {
+		echo "sql-edition: only the newest version ($newest) is built from the parts; $freeze is not it" >&2
+		exit 1
+	}
+	frozen=$src/idempotency--$freeze.sql
+	[[ ! -e $frozen ]] || { echo "sql-edition: $frozen exists; a frozen script never changes" >&2; exit 1; }
+	parts_text | sed "s/@IDEM_VERSION@/$freeze/g" >"$frozen.tmp" || { rm -f "$frozen.tmp"; exit 1; }
+	mv "$frozen.tmp" "$frozen"
+	echo "wrote $frozen; add the next release's version to sql-edition/versions"
+	exit 0
+fi
+
 comment=$(sed -n "s/^comment *= *'\(.*\)'.*/\1/p" "$root/idempotency.control")
 
 # The library version of this release (src/idempotency.h): idem_version()
@@ -41,17 +104,25 @@ library=$(sed -n 's/^#define IDEM_VERSION[[:space:]]*"\(.*\)".*/\1/p' "$root/src
 }
 # The newest script reports $library in idem_version(): a release whose
 # library version differs from the newest registered one's freezes that
-# script (sql-edition/idempotency--VERSION.sql) and adds its own version.
+# script (sql-edition/idempotency--VERSION.sql, written by --freeze) and
+# adds its own version.
 [[ $newest == "$library" || ($newest == "$default" && ${#versions[@]} == 1) ]] || {
 	echo "sql-edition: the newest version in sql-edition/versions ($newest) is not this release ($library):" \
-		"freeze its script as sql-edition/idempotency--$newest.sql and add $library" >&2
+		"freeze its script (scripts/sql-edition.sh --freeze $newest, from the parts as $newest left them)" \
+		"and add $library to sql-edition/versions" >&2
 	exit 1
 }
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# The newest version's text, built once.
+parts_text | sed "s/@IDEM_VERSION@/$library/g" >"$tmp/newest.sql"
 
 # The full script of a version.
 script_of() {
 	if [[ $1 == "$newest" ]]; then
-		sed "s/@IDEM_VERSION@/$library/g" "$src/idempotency.sql"
+		cat "$tmp/newest.sql"
 	elif [[ -f $src/idempotency--$1.sql ]]; then
 		cat "$src/idempotency--$1.sql"
 	else
@@ -84,9 +155,6 @@ for v in "${versions[@]}"; do
 done
 
 mkdir -p "$out"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-
 {
 	cat <<HDR
 -- idempotency-pgtle.sql: the SQL edition of idempotency $newest for pg_tle.

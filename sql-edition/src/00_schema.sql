@@ -1,0 +1,111 @@
+/*-------------------------------------------------------------------------
+ *
+ * 00_schema.sql
+ *	  The store: the token sequence, idempotency.keys, scope_bindings and
+ *	  the claim_result type, with their privileges.
+ *
+ * Owns the objects that hold data, and what pg_dump carries of them: the
+ * same columns, indexes, storage and privileges as the C edition's
+ * idempotency--1.6.sql, so that a dump of either edition restores into the
+ * other.  Every statement creates only what is missing, because running
+ * the script again is how the plain installer upgrades, and it must never
+ * drop a key.  The comment that follows this header opens the generated
+ * script and states the conventions every later part keeps.
+ *
+ *-------------------------------------------------------------------------
+ */
+
+/*
+ * idempotency, SQL edition: the objects of the idempotency extension in
+ * PL/pgSQL and SQL only, for servers where no C extension can be loaded.
+ *
+ * This one text is both the script pg_tle runs for CREATE EXTENSION and
+ * the body of the plain installer, so every statement is re-runnable:
+ * CREATE ... IF NOT EXISTS, CREATE OR REPLACE, and DO blocks for what has
+ * no such form.  Re-running it upgrades the functions in place and never
+ * drops a key.  See sql-edition/README.md for how each function maps onto
+ * the C edition's source and for the differences between the editions.
+ *
+ * Conventions: every function sets search_path = pg_catalog, pg_temp and
+ * names every object with its schema.  The client functions run as their
+ * caller (current_user is the role the tenant bindings are checked for);
+ * the table is read and written only inside the SECURITY DEFINER workers
+ * (the functions whose names start with "_w_"), where the C edition
+ * switches to the table's owner.  Helpers whose names start with "_" are
+ * no API.
+ */
+
+/*
+ * Tokens: one increasing sequence per database.  Every claim and takeover
+ * draws a new value, so a token is larger than every token issued before
+ * it.  The sequence is non-transactional: a rolled-back claim never gives
+ * its token back.
+ */
+CREATE SEQUENCE IF NOT EXISTS idempotency.token_seq AS bigint NO CYCLE;
+
+/* The key store: the same columns, indexes and storage as the C edition. */
+CREATE TABLE IF NOT EXISTS idempotency.keys (
+	scope			text COLLATE "C" NOT NULL,
+	key				text COLLATE "C" NOT NULL,
+	status			text COLLATE "C" NOT NULL,
+	token			bigint,
+	attempt			integer NOT NULL,
+	fingerprint		bytea,
+	response_code	integer,
+	response_body	jsonb,
+	created_at		timestamptz NOT NULL,
+	finished_at		timestamptz,
+	lease_until		timestamptz,
+	expires_at		timestamptz NOT NULL,
+	retention		interval NOT NULL,
+	sweep_at		timestamptz NOT NULL,
+	phase			text COLLATE "C",
+	phase_data		jsonb,
+	owner_session	bigint,
+	CONSTRAINT keys_pkey PRIMARY KEY (scope, key)
+) WITH (fillfactor = 80);
+CREATE INDEX IF NOT EXISTS keys_sweep_at_idx ON idempotency.keys (sweep_at);
+CREATE INDEX IF NOT EXISTS keys_owner_session_idx ON idempotency.keys (owner_session)
+	WHERE owner_session IS NOT NULL;
+
+REVOKE ALL ON TABLE idempotency.keys FROM PUBLIC;
+REVOKE ALL ON SEQUENCE idempotency.token_seq FROM PUBLIC;
+
+CREATE TABLE IF NOT EXISTS idempotency.scope_bindings (
+	role			regrole PRIMARY KEY,
+	scope_prefix	text COLLATE "C" NOT NULL
+);
+REVOKE ALL ON TABLE idempotency.scope_bindings FROM PUBLIC;
+
+/*
+ * pg_dump carries the keys, the sequence's position and the bindings along
+ * with an extension (pg_tle); outside CREATE EXTENSION (the plain
+ * installer) they are ordinary objects that pg_dump dumps anyway.
+ */
+DO $do$
+BEGIN
+	PERFORM pg_catalog.pg_extension_config_dump('idempotency.keys', '');
+	PERFORM pg_catalog.pg_extension_config_dump('idempotency.token_seq', '');
+	PERFORM pg_catalog.pg_extension_config_dump('idempotency.scope_bindings', '');
+EXCEPTION WHEN feature_not_supported OR object_not_in_prerequisite_state THEN
+	NULL;
+END;
+$do$;
+
+DO $do$
+BEGIN
+	IF pg_catalog.to_regtype('idempotency.claim_result') IS NULL THEN
+		CREATE TYPE idempotency.claim_result AS (
+			outcome			text,
+			token			bigint,
+			attempt			integer,
+			status			text,
+			response_code	integer,
+			response_body	jsonb,
+			retry_after		integer,
+			phase			text,
+			phase_data		jsonb
+		);
+	END IF;
+END;
+$do$;

@@ -1,0 +1,359 @@
+/*-------------------------------------------------------------------------
+ *
+ * 05_settings.sql
+ *	  Settings, argument checks, messages, key locks and fingerprints.
+ *
+ * Mirrors guc.c (_guc_interval, _guc_bytes: the idempotency.* settings,
+ * which are placeholders without the C library, with the C edition's
+ * defaults and units), args.c (the _check_* functions: every argument
+ * check with the C edition's message and SQLSTATE, in the same order),
+ * keylock.c and fingerprint.c (_lock_class, _key_hash, _mark_insert: the
+ * key's advisory lock and its insert mark; _fingerprint: the request's
+ * SHA-256, the same bytes as the C edition's, so that a key claimed by
+ * one edition is recognised by the other), and the message helpers
+ * (_raise, _key_display).  Nothing here reads idempotency.keys or runs as
+ * its owner: client functions and workers alike call these helpers, as
+ * whichever role runs them.
+ *
+ *-------------------------------------------------------------------------
+ */
+
+/* ---------------------------------------------------------------------
+ * Helpers: settings, argument checks (args.c, guc.c)
+ * ---------------------------------------------------------------------
+ */
+
+/*
+ * The advisory lock class of the SQL edition: every lock it takes is
+ * pg_advisory_lock(7655, n) (0x1de7, the C edition's tag for its key
+ * locks).  Applications must not use this first key for their own locks.
+ */
+CREATE OR REPLACE FUNCTION idempotency._lock_class()
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+RETURN 7655;
+
+/*
+ * The lock number of (scope, key), 31 bits (0 to 2^31 - 1): the scope's
+ * byte length first, so that ("ab", "c") and ("a", "bc") differ.  The
+ * negative numbers are the keys' insert marks (_mark_insert).  A collision
+ * costs at worst an in_progress while the other key is being written: the
+ * table decides every outcome.
+ */
+CREATE OR REPLACE FUNCTION idempotency._key_hash(scope text, key text)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text
+	OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) scope
+	OPERATOR(pg_catalog.||) key) OPERATOR(pg_catalog.&) 2147483647;
+
+/*
+ * Before a claim inserts key "h" (holding its lock): false when another
+ * transaction's insert of the key is in flight, which SQL cannot see (no
+ * dirty read) and whose unique check would wait for that transaction.
+ * Such an insert holds the key's mark, the advisory lock (7655, -1 - h),
+ * until its transaction ends; asking for it in share mode answers without
+ * waiting.  Otherwise the caller is about to insert, and marks the key
+ * itself, at most 16 keys a transaction (the lock table is shared and a
+ * transaction may claim any number of keys) and never in a batch that
+ * would pass that number (idempotency_sql.no_marks).  An insert of an
+ * unmarked key is found by the insert's own unique check, under its 1 ms
+ * lock_timeout (_write_claim).  A mark taken in a subtransaction that
+ * rolls back is released with it, as the row is.
+ */
+CREATE OR REPLACE FUNCTION idempotency._mark_insert(h integer)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	m integer := -1 OPERATOR(pg_catalog.-) h;
+	marks integer;
+BEGIN
+	IF NOT pg_catalog.pg_try_advisory_lock_shared(idempotency._lock_class(), m) THEN
+		RETURN false;
+	END IF;
+	PERFORM pg_catalog.pg_advisory_unlock_shared(idempotency._lock_class(), m);
+	IF pg_catalog.current_setting('idempotency_sql.no_marks', true) IS DISTINCT FROM 'on' THEN
+		marks := COALESCE(NULLIF(pg_catalog.current_setting('idempotency_sql.marks', true), '')::integer, 0);
+		IF marks OPERATOR(pg_catalog.<) 16 AND pg_catalog.pg_try_advisory_xact_lock(idempotency._lock_class(), m) THEN
+			PERFORM pg_catalog.set_config('idempotency_sql.marks',
+				(marks OPERATOR(pg_catalog.+) 1)::text, true);
+		END IF;
+	END IF;
+	RETURN true;
+END;
+$$;
+
+/*
+ * An idempotency.* setting as an interval.  Without the C library the
+ * settings are placeholders that keep the text they were given: a bare
+ * number counts in the setting's unit ("unit"), as the C edition's does.
+ */
+CREATE OR REPLACE FUNCTION idempotency._guc_interval(name text, unit text, dflt interval)
+RETURNS interval
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	v text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
+	iv interval;
+BEGIN
+	IF v IS NULL OR v OPERATOR(pg_catalog.=) '' THEN
+		RETURN dflt;
+	END IF;
+	IF v OPERATOR(pg_catalog.~) '^[0-9]+$' THEN
+		iv := (v OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) unit)::interval;
+	ELSE
+		iv := v::interval;
+	END IF;
+	-- a length of time, as the C edition's settings give it (24:00:00, not 1 day)
+	RETURN pg_catalog.make_interval(secs => EXTRACT(epoch FROM iv));
+END;
+$$;
+
+/*
+ * An idempotency.* setting that counts bytes (or plain numbers).  The C
+ * edition lets only superusers change max_response_size and
+ * stats_exact_limit (superuser_only): a placeholder can be SET by anyone,
+ * so for any other session the value it started with counts (from the
+ * configuration file, ALTER DATABASE or ALTER ROLE), not what it SET.
+ */
+CREATE OR REPLACE FUNCTION idempotency._guc_bytes(name text, dflt bigint,
+	superuser_only boolean DEFAULT false)
+RETURNS bigint
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	v text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
+	m text[];
+BEGIN
+	IF superuser_only AND NOT (SELECT r.rolsuper FROM pg_catalog.pg_roles r
+							   WHERE r.rolname OPERATOR(pg_catalog.=) session_user) THEN
+		SELECT pg_catalog.btrim(s.reset_val) INTO v FROM pg_catalog.pg_settings s
+		 WHERE s.name OPERATOR(pg_catalog.=) _guc_bytes.name;
+	END IF;
+	IF v IS NULL OR v OPERATOR(pg_catalog.=) '' THEN
+		RETURN dflt;
+	END IF;
+	m := pg_catalog.regexp_match(v, '^([0-9]+)\s*(B|kB|MB|GB|TB)?$');
+	IF m IS NULL THEN
+		RAISE EXCEPTION 'invalid value for parameter "%": "%"', name, v
+			USING ERRCODE = '22023';
+	END IF;
+	RETURN m[1]::bigint OPERATOR(pg_catalog.*) CASE m[2]
+		WHEN 'kB' THEN 1024 WHEN 'MB' THEN 1048576
+		WHEN 'GB' THEN 1073741824 WHEN 'TB' THEN 1099511627776 ELSE 1 END;
+END;
+$$;
+
+/* A key, scope or phase: not NULL, at most 255 characters, maybe not empty. */
+CREATE OR REPLACE FUNCTION idempotency._check_name(t text, name text, allow_empty boolean)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	chars integer;
+BEGIN
+	IF t IS NULL THEN
+		RAISE EXCEPTION '% must not be null', name USING ERRCODE = '22004';
+	END IF;
+	IF NOT allow_empty AND pg_catalog.octet_length(t) OPERATOR(pg_catalog.=) 0 THEN
+		RAISE EXCEPTION '% must not be empty', name USING ERRCODE = '22023';
+	END IF;
+	IF pg_catalog.octet_length(t) OPERATOR(pg_catalog.>) 255 THEN
+		chars := pg_catalog.char_length(t);
+		IF chars OPERATOR(pg_catalog.>) 255 THEN
+			RAISE EXCEPTION '% is too long', name
+				USING ERRCODE = '22001',
+					  DETAIL = pg_catalog.format('It has %s characters; the limit is %s.', chars, 255);
+		END IF;
+	END IF;
+END;
+$$;
+
+/*
+ * A lease or retention: NULL (the setting applies) or positive, and at most
+ * 10000 years (interval comparison counts months as 30 days, as the C
+ * edition does).
+ */
+CREATE OR REPLACE FUNCTION idempotency._check_positive(iv interval, name text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	now timestamptz;
+BEGIN
+	IF iv IS NULL THEN
+		RETURN;
+	END IF;
+	IF iv OPERATOR(pg_catalog.<=) '0'::interval THEN
+		RAISE EXCEPTION '% must be positive', name USING ERRCODE = '22023';
+	END IF;
+	IF iv OPERATOR(pg_catalog.>) '10000 years'::interval THEN
+		RAISE EXCEPTION '% is too large', name
+			USING ERRCODE = '22023', DETAIL = 'The limit is 10000 years.';
+	END IF;
+	now := pg_catalog.clock_timestamp();
+	IF now OPERATOR(pg_catalog.+) iv OPERATOR(pg_catalog.<=) now THEN
+		RAISE EXCEPTION '% must be positive', name USING ERRCODE = '22023';
+	END IF;
+END;
+$$;
+
+/* The wait argument: not NULL, not negative; capped at a hundred years. */
+CREATE OR REPLACE FUNCTION idempotency._check_wait(wait interval)
+RETURNS interval
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF wait IS NULL THEN
+		RAISE EXCEPTION 'wait must not be null' USING ERRCODE = '22004';
+	END IF;
+	IF wait OPERATOR(pg_catalog.<) '0'::interval THEN
+		RAISE EXCEPTION 'wait must not be negative' USING ERRCODE = '22023';
+	END IF;
+	RETURN LEAST(wait, '36500 days'::interval);
+END;
+$$;
+
+/* The status argument of a finish: "succeeded" or "failed". */
+CREATE OR REPLACE FUNCTION idempotency._check_status(status text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF status IS NULL THEN
+		RAISE EXCEPTION 'status must not be null' USING ERRCODE = '22004';
+	END IF;
+	IF status OPERATOR(pg_catalog.<>) ALL (ARRAY['succeeded', 'failed']) THEN
+		RAISE EXCEPTION 'invalid status "%"', status
+			USING ERRCODE = '22023',
+				  HINT = 'A finished key has status "succeeded" or "failed".';
+	END IF;
+END;
+$$;
+
+/*
+ * A stored jsonb within idempotency.max_response_size: its bytes before
+ * compression, as a freshly built value has them (4 bytes of header).
+ */
+CREATE OR REPLACE FUNCTION idempotency._check_body(body jsonb, name text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	lim bigint;
+	bytes bigint;
+BEGIN
+	IF body IS NULL THEN
+		RETURN;
+	END IF;
+	lim := idempotency._guc_bytes('idempotency.max_response_size', 1048576, true);
+	bytes := pg_catalog.pg_column_size(body::text::jsonb) OPERATOR(pg_catalog.-) 4;
+	IF bytes OPERATOR(pg_catalog.>) lim THEN
+		RAISE EXCEPTION '% is too large', name
+			USING ERRCODE = '54000',
+				  DETAIL = pg_catalog.format('It has %s bytes; idempotency.max_response_size is %s bytes.', bytes, lim);
+	END IF;
+END;
+$$;
+
+/*
+ * Refuse a call that may write, before it reads anything: on a hot standby
+ * and in a read-only transaction, with PostgreSQL's own messages.
+ */
+CREATE OR REPLACE FUNCTION idempotency._check_writable(fn text)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF pg_catalog.pg_is_in_recovery() THEN
+		RAISE EXCEPTION 'cannot execute % during recovery', fn USING ERRCODE = '25006';
+	END IF;
+	IF pg_catalog.current_setting('transaction_read_only')::boolean THEN
+		RAISE EXCEPTION 'cannot execute % in a read-only transaction', fn
+			USING ERRCODE = '25006';
+	END IF;
+END;
+$$;
+
+/* A one-dimensional array argument (or NULL). */
+CREATE OR REPLACE FUNCTION idempotency._check_array(ndims integer, name text, required boolean, is_null boolean)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF is_null THEN
+		IF required THEN
+			RAISE EXCEPTION '% must not be null', name USING ERRCODE = '22004';
+		END IF;
+		RETURN;
+	END IF;
+	IF ndims OPERATOR(pg_catalog.>) 1 THEN
+		RAISE EXCEPTION '% must be a one-dimensional array', name USING ERRCODE = '22023';
+	END IF;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION idempotency._check_batch_length(n integer, name text, nkeys integer)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF n IS NOT NULL AND n OPERATOR(pg_catalog.<>) nkeys THEN
+		RAISE EXCEPTION '% has % elements, keys has %', name, n, nkeys
+			USING ERRCODE = '22023',
+				  HINT = 'Give one element per key, in the order of keys.';
+	END IF;
+END;
+$$;
+
+/*
+ * Raise an error with these fields; an empty detail or hint is left out
+ * (RAISE takes no NULL option, and an empty one would still be printed).
+ */
+CREATE OR REPLACE FUNCTION idempotency._raise(state text, message text,
+	detail text, hint text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF detail OPERATOR(pg_catalog.<>) '' AND hint OPERATOR(pg_catalog.<>) '' THEN
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message, DETAIL = detail, HINT = hint;
+	ELSIF detail OPERATOR(pg_catalog.<>) '' THEN
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message, DETAIL = detail;
+	ELSIF hint OPERATOR(pg_catalog.<>) '' THEN
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message, HINT = hint;
+	ELSE
+		RAISE EXCEPTION USING ERRCODE = state, MESSAGE = message;
+	END IF;
+END;
+$$;
+
+/* Name a key in messages: "key" or "key" in scope "scope". */
+CREATE OR REPLACE FUNCTION idempotency._key_display(scope text, key text)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+RETURN CASE WHEN scope OPERATOR(pg_catalog.=) '' THEN pg_catalog.format('"%s"', key)
+	ELSE pg_catalog.format('"%s" in scope "%s"', key, scope) END;
+
+/* SHA-256 of the request's jsonb text, in the database's bytes (fingerprint.c). */
+CREATE OR REPLACE FUNCTION idempotency._fingerprint(request jsonb)
+RETURNS bytea
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+RETURN pg_catalog.sha256(pg_catalog.convert_to(request::text, pg_catalog.getdatabaseencoding()));
