@@ -95,8 +95,9 @@ RESET ROLE;
 SELECT key, status, attempt, response_body, token = :t7_token AS t7_token
   FROM idempotency.keys WHERE scope = 'owner-temp' ORDER BY key;
 
--- a CHECK constraint or an index that calls a function a user wrote is
--- code a user attached too
+-- a CHECK constraint or an index expression is code a user attached too,
+-- whatever it calls (a domain's CHECK, a cast or one of PostgreSQL's
+-- functions can reach a user's code without naming it)
 CREATE FUNCTION public.audit_ok(text) RETURNS boolean LANGUAGE plpgsql IMMUTABLE
 	AS $$ BEGIN RETURN $1 IS NOT NULL; END $$;
 BEGIN;
@@ -109,12 +110,57 @@ CREATE INDEX keys_audit_idx ON idempotency.keys (public.audit_ok(key));
 SET ROLE regress_idem_trudy;
 SELECT outcome FROM idempotency.idem_claim('t8', scope => 'owner-temp');
 ROLLBACK;
--- one with PostgreSQL's own functions only is not
 BEGIN;
 ALTER TABLE idempotency.keys ADD CONSTRAINT keys_code_ok CHECK (response_code BETWEEN 100 AND 599);
 SET ROLE regress_idem_trudy;
 SELECT outcome FROM idempotency.idem_claim('t8', scope => 'owner-temp');
 ROLLBACK;
+-- without temporary tables (the session's, whichever role made them),
+-- the same writes run
+SET ROLE regress_idem_trudy;
+DISCARD TEMP;
+RESET ROLE;
+BEGIN;
+ALTER TABLE idempotency.keys ADD CONSTRAINT keys_code_ok CHECK (response_code BETWEEN 100 AND 599);
+SELECT outcome FROM idempotency.idem_claim('t8', scope => 'owner-temp');
+ROLLBACK;
+
+-- an index calling a LANGUAGE sql function that PostgreSQL inlines is
+-- refused for every session (55000): its body's names are resolved with
+-- the search_path of whichever session plans the table first, and the
+-- owner's writes would run what they resolved to; with a search_path of
+-- its own it is not inlined, and counts as any index expression does
+CREATE FUNCTION public.norm(text) RETURNS text LANGUAGE sql IMMUTABLE
+	AS $$ SELECT lower($1) $$;
+BEGIN;
+CREATE INDEX keys_norm_idx ON idempotency.keys (public.norm(key));
+SAVEPOINT s;
+SELECT outcome FROM idempotency.idem_claim('t9', scope => 'owner-temp');
+ROLLBACK TO s;
+\set VERBOSITY default
+SELECT status FROM idempotency.idem_lookup('t9', scope => 'owner-temp');
+ROLLBACK TO s;
+\set VERBOSITY sqlstate
+ALTER FUNCTION public.norm(text) SET search_path = pg_catalog;
+SELECT outcome FROM idempotency.idem_claim('t9', scope => 'owner-temp');
+ROLLBACK;
+DROP FUNCTION public.norm(text);
+
+-- a deferrable trigger would fire at commit, outside the write: refused
+CREATE FUNCTION public.keys_noop() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RETURN NULL; END $$;
+BEGIN;
+CREATE CONSTRAINT TRIGGER keys_noop AFTER INSERT ON idempotency.keys
+	DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.keys_noop();
+SELECT outcome FROM idempotency.idem_claim('t10', scope => 'owner-temp');
+ROLLBACK;
+BEGIN;
+CREATE CONSTRAINT TRIGGER keys_noop AFTER INSERT ON idempotency.keys
+	NOT DEFERRABLE FOR EACH ROW EXECUTE FUNCTION public.keys_noop();
+SELECT outcome FROM idempotency.idem_claim('t10', scope => 'owner-temp');
+ROLLBACK;
+DROP FUNCTION public.keys_noop();
+SELECT count(*) AS stored FROM idempotency.keys WHERE scope = 'owner-temp' AND key IN ('t8', 't9', 't10');
 
 SET ROLE regress_idem_trudy;
 DISCARD TEMP;

@@ -31,15 +31,18 @@
 #include "access/xact.h"
 #include "access/htup_details.h"
 #include "access/table.h"
+#include "access/sysattr.h"
+#include "access/transam.h"
 #include "catalog/dependency.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_am.h"
 #include "catalog/pg_class.h"
 #include "catalog/pg_index.h"
+#include "catalog/pg_language.h"
+#include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "nodes/nodeFuncs.h"
-#include "optimizer/optimizer.h"
 #include "storage/lmgr.h"
 #include "storage/sinval.h"
 #include "utils/builtins.h"
@@ -47,6 +50,8 @@
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/regproc.h"
+#include "utils/syscache.h"
 #include "utils/rel.h"
 #include "utils/relcache.h"
 
@@ -301,34 +306,90 @@ catalog_lock_index(const char *name, const char *suffix)
 	return relid;
 }
 
-/* A function a user created (not one of PostgreSQL's own)? */
+/*
+ * Is "funcid" a LANGUAGE sql function that PostgreSQL may inline into an
+ * index expression: a body kept as text (not BEGIN ATOMIC), no SET clause,
+ * not SECURITY DEFINER?  Such a body is parsed with the search_path of
+ * whichever session first builds the index's expressions (planning any
+ * query of the table does), and the parsed tree is then kept and run by
+ * every write, the owner's too.
+ */
 static bool
-catalog_user_function(Oid funcid, void *context)
+catalog_inlinable_sql_function(Oid funcid, void *context)
 {
-	return funcid >= FirstNormalObjectId;
+	HeapTuple	tuple;
+	bool		inlinable;
+
+	if (funcid < FirstNormalObjectId)
+		return false;
+	tuple = SearchSysCache1(PROCOID, ObjectIdGetDatum(funcid));
+	if (!HeapTupleIsValid(tuple))
+		return false;
+	inlinable = ((Form_pg_proc) GETSTRUCT(tuple))->prolang == SQLlanguageId &&
+		!((Form_pg_proc) GETSTRUCT(tuple))->prosecdef &&
+		heap_attisnull(tuple, Anum_pg_proc_proconfig, NULL) &&
+		heap_attisnull(tuple, Anum_pg_proc_prosqlbody, NULL);
+	if (inlinable)
+		*(Oid *) context = funcid;
+	ReleaseSysCache(tuple);
+	return inlinable;
 }
 
-/* Does the expression "node" call a function a user created? */
 static bool
-catalog_calls_user_function(Node *node, void *context)
+catalog_inlines_walker(Node *node, void *context)
 {
 	if (node == NULL)
 		return false;
-	if (check_functions_in_node(node, catalog_user_function, context))
+	if (check_functions_in_node(node, catalog_inlinable_sql_function, context))
 		return true;
-	return expression_tree_walker(node, catalog_calls_user_function, context);
+	return expression_tree_walker(node, catalog_inlines_walker, context);
+}
+
+/*
+ * Refuse an index whose expressions or predicate (as stored, before any
+ * inlining) call a LANGUAGE sql function that PostgreSQL may inline
+ * (catalog_inlinable_sql_function): a caller could have the function's
+ * unqualified names resolved in a schema of its own, and the owner's
+ * writes would then run that code.
+ */
+static void
+catalog_refuse_inlined_function(Relation index)
+{
+	Oid			funcid = InvalidOid;
+
+	for (int attr = Anum_pg_index_indexprs; attr != 0;
+		 attr = attr == Anum_pg_index_indexprs ? Anum_pg_index_indpred : 0)
+	{
+		bool		isnull;
+		Datum		d = SysCacheGetAttr(INDEXRELID, index->rd_indextuple, attr,
+										&isnull);
+
+		if (!isnull &&
+			catalog_inlines_walker(stringToNode(TextDatumGetCString(d)), &funcid))
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("index \"%s\" of idempotency.keys calls SQL function %s, whose body PostgreSQL inlines with the search_path of the session that plans it",
+							RelationGetRelationName(index),
+							format_procedure(funcid)),
+					 errhint("Give the function a search_path (ALTER FUNCTION ... SET search_path = pg_catalog) or a BEGIN ATOMIC body, or drop the index.")));
+	}
 }
 
 /*
  * Can a write of the table run code that a user attached to it?  Triggers
  * (a foreign key that references the table has them), rules, row security
  * and stored generated columns run in the executor's statements; a CHECK
- * constraint, an index's expressions, predicate, operator class or access
- * method run in every write, and may call functions a user wrote.
- * PostgreSQL's own functions there resolve no names when they run.
+ * constraint and an index's expressions and predicate run in every write,
+ * and may reach a user's code in ways no walk of the expression sees (a
+ * domain's CHECK, a cast, a built-in that runs SQL or looks names up): so
+ * any CHECK constraint and any index expression or predicate counts, but
+ * the predicate of the extension's own partial index ("session_idx"); so
+ * do an access method, operator class or exclusion operator that is not
+ * PostgreSQL's own.  Read from the catalog as stored, so the answer does
+ * not depend on the session that asks.
  */
 static bool
-catalog_runs_user_code(Relation heap)
+catalog_runs_user_code(Relation heap, Oid session_idx)
 {
 	TupleConstr *constr = RelationGetDescr(heap)->constr;
 	List	   *indexes;
@@ -338,11 +399,8 @@ catalog_runs_user_code(Relation heap)
 	if (heap->trigdesc != NULL || heap->rd_rules != NULL ||
 		heap->rd_rel->relrowsecurity ||
 		heap->rd_rel->relam >= FirstNormalObjectId ||
-		(constr != NULL && constr->has_generated_stored))
-		return true;
-	for (int i = 0; constr != NULL && i < constr->num_check && !found; i++)
-		found = catalog_calls_user_function(stringToNode(constr->check[i].ccbin),
-											NULL);
+		(constr != NULL && (constr->has_generated_stored || constr->num_check > 0)))
+		found = true;
 	indexes = RelationGetIndexList(heap);
 	foreach(lc, indexes)
 	{
@@ -350,9 +408,11 @@ catalog_runs_user_code(Relation heap)
 		int			nprocs = IndexRelationGetNumberOfKeyAttributes(index) *
 			index->rd_indam->amsupport;
 
+		catalog_refuse_inlined_function(index);
 		found = found || index->rd_rel->relam >= FirstNormalObjectId ||
-			catalog_calls_user_function((Node *) RelationGetIndexExpressions(index), NULL) ||
-			catalog_calls_user_function((Node *) RelationGetIndexPredicate(index), NULL);
+			!heap_attisnull(index->rd_indextuple, Anum_pg_index_indexprs, NULL) ||
+			(RelationGetRelid(index) != session_idx &&
+			 !heap_attisnull(index->rd_indextuple, Anum_pg_index_indpred, NULL));
 		for (int i = 0; i < nprocs && !found; i++)
 			found = index->rd_support[i] >= FirstNormalObjectId;
 		if (index->rd_index->indisexclusion && !found)
@@ -365,10 +425,47 @@ catalog_runs_user_code(Relation heap)
 			for (int i = 0; i < IndexRelationGetNumberOfKeyAttributes(index); i++)
 				found = found || procs[i] >= FirstNormalObjectId;
 		}
-		index_close(index, AccessShareLock);
+		index_close(index, NoLock);
 	}
 	list_free(indexes);
 	return found;
+}
+
+/*
+ * The columns of the table that PostgreSQL's row locks count as its key:
+ * those of any unique index (the primary key's scope and key, and any a
+ * user added, say on token for a foreign key to reference).
+ */
+static uint32
+catalog_key_columns(Relation heap, int ncols)
+{
+	Bitmapset  *attrs = RelationGetIndexAttrBitmap(heap, INDEX_ATTR_BITMAP_KEY);
+	uint32		columns = 0;
+
+	for (int col = 1; col <= ncols; col++)
+		if (bms_is_member(col - FirstLowInvalidHeapAttributeNumber, attrs))
+			columns |= KEYS_COL_BIT(col);
+	bms_free(attrs);
+	return columns;
+}
+
+/*
+ * Does the table have a deferred (or deferrable) trigger that a user
+ * wrote?  It fires at commit, outside the write that queued it, where the
+ * extension can neither restrict it nor pin its search_path (and from
+ * PostgreSQL 18 on it fires as the role that queued it: the table's
+ * owner).  PostgreSQL's own foreign-key triggers are not such code.
+ */
+static bool
+catalog_has_deferred_trigger(Relation heap)
+{
+	TriggerDesc *trigdesc = heap->trigdesc;
+
+	for (int i = 0; trigdesc != NULL && i < trigdesc->numtriggers; i++)
+		if (trigdesc->triggers[i].tgdeferrable &&
+			trigdesc->triggers[i].tgfoid >= FirstNormalObjectId)
+			return true;
+	return false;
 }
 
 /*
@@ -388,7 +485,7 @@ catalog_check_store(IdemCatalog *found, const char *suffix)
 	heap = table_open(found->keys, AccessShareLock);
 	found->ncols = catalog_check_columns(heap);
 	found->owner = heap->rd_rel->relowner;
-	found->user_code = catalog_runs_user_code(heap);
+	found->deferred_trigger = catalog_has_deferred_trigger(heap);
 	table_close(heap, NoLock);
 	catalog_check_index(found->pkey, found->keys, 2, KEYS_COL_SCOPE, KEYS_COL_KEY,
 						false);
@@ -401,6 +498,10 @@ catalog_check_store(IdemCatalog *found, const char *suffix)
 		catalog_check_index(found->session_idx, found->keys, 1,
 							KEYS_COL_OWNER_SESSION, 0, true);
 	}
+	heap = table_open(found->keys, AccessShareLock);
+	found->user_code = catalog_runs_user_code(heap, found->session_idx);
+	found->key_columns = catalog_key_columns(heap, found->ncols);
+	table_close(heap, NoLock);
 }
 
 /*

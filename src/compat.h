@@ -94,17 +94,20 @@ typedef bool IdemUpdateIndexes;
 #endif
 
 /*
- * Minor releases of May 2025 (17.5, 16.9, 15.13): whether synchronous
- * standbys are defined is one flag of WalSndCtl's sync_standbys_status;
- * before, a bool of its own.
+ * Minor releases of May 2025 (17.5, 16.9, 15.13): WalSndCtl's one byte
+ * saying whether synchronous standbys are defined became flags, one of
+ * them saying whether the checkpointer set the state up yet; the field
+ * kept its place and size.  The headers name it one way or the other; the
+ * running server's version tells which meaning it has (write.c).
  */
 #if PG_VERSION_NUM >= 170005 || \
 	(PG_VERSION_NUM >= 160009 && PG_VERSION_NUM < 170000) || \
 	(PG_VERSION_NUM >= 150013 && PG_VERSION_NUM < 160000)
-#define IDEM_SYNC_STANDBYS_DEFINED(ctl) \
-	(((ctl)->sync_standbys_status & SYNC_STANDBY_DEFINED) != 0)
+#define IDEM_SYNC_STANDBYS_FIELD(ctl)	((uint8) (ctl)->sync_standbys_status)
 #else
-#define IDEM_SYNC_STANDBYS_DEFINED(ctl)	((ctl)->sync_standbys_defined)
+#define IDEM_SYNC_STANDBYS_FIELD(ctl)	((uint8) (ctl)->sync_standbys_defined)
 #endif
+#define IDEM_SYNC_STANDBY_INIT			(1 << 0)
+#define IDEM_SYNC_STANDBY_DEFINED		(1 << 1)
 
 #endif							/* IDEMPOTENCY_COMPAT_H */

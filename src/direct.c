@@ -225,15 +225,18 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 		 * the row as SELECT ... FOR UPDATE SKIP LOCKED does, which also reads
 		 * it; the update then finds it locked by this transaction alone and
 		 * does not wait.  A row that only this transaction locks is locked at
-		 * once.  The lock is FOR NO KEY UPDATE, the mode of the update itself
-		 * (no write changes scope or key): after a stronger one, the update
-		 * keeps the stronger mode and counts as a change of the key, which a
-		 * FOR KEY SHARE lock (a foreign key's check) has to wait for.
+		 * once.  The lock is in the mode of the update itself: FOR UPDATE
+		 * when it sets a column of a unique index, else FOR NO KEY UPDATE.
+		 * After a weaker lock the update would have to wait to strengthen it;
+		 * after a stronger one, it keeps the stronger mode and counts as a
+		 * change of the key, which a FOR KEY SHARE lock (a foreign key's
+		 * check) has to wait for.
 		 */
 		result = table_tuple_lock(direct->heap, &otid, InvalidSnapshot, old,
 								  GetCurrentCommandId(true),
-								  LockTupleNoKeyExclusive, LockWaitSkip, 0,
-								  &tmfd);
+								  (columns & idem_catalog()->key_columns) != 0 ?
+								  LockTupleExclusive : LockTupleNoKeyExclusive,
+								  LockWaitSkip, 0, &tmfd);
 		if (result != TM_Ok)
 			return direct_result(result, "locking");
 	}

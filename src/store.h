@@ -87,6 +87,10 @@ typedef struct IdemCatalog
 	Oid			owner;			/* owner of idempotency.keys */
 	bool		user_code;		/* a write can run code a user attached to the
 								 * table (catalog_runs_user_code) */
+	bool		deferred_trigger;	/* a user's trigger fires at commit */
+	uint32		key_columns;	/* the columns (KEYS_COL_BIT bits) in a unique
+								 * index: an update of one locks the row FOR
+								 * UPDATE, of others FOR NO KEY UPDATE */
 	int64		shardid;		/* 0, or the Citus shard these relations are
 								 * (keys_<shardid> and its indexes) */
 } IdemCatalog;

@@ -29,7 +29,6 @@
 #include "access/table.h"
 #include "access/xact.h"
 #include "access/xlog.h"
-#include "catalog/dependency.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_depend.h"
 #include "catalog/pg_namespace.h"
@@ -44,6 +43,7 @@
 #include "replication/walsender_private.h"
 #include "storage/lwlock.h"
 #include "storage/bufmgr.h"
+#include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
 #include "utils/guc.h"
@@ -124,6 +124,7 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
  */
 static SPIPlanPtr write_plans[NUM_WRITE_KINDS];
 static int	write_plans_ncols = 0;
+static uint32 write_plans_key_columns = 0;	/* and its IdemCatalog.key_columns */
 
 /* The columns of a rule that the table has. */
 static uint32
@@ -145,7 +146,8 @@ typedef struct WriteSection
 {
 	Oid			saved_userid;
 	int			saved_sec_context;
-	int			guc_nestlevel;	/* 0: no user code runs, nothing pinned */
+	int			guc_nestlevel;
+	bool		user_code;		/* the table runs a user's code in a write */
 } WriteSection;
 
 /*
@@ -188,62 +190,71 @@ write_caller_has_temp_objects(void)
 }
 
 /*
- * Act as the table's owner, with restricted security, until
- * write_section_end: the caller need not have any privilege on the table,
- * and nothing the table's owner attached can change session state.
- *
- * When a write can run code a user attached (a trigger, a rule, row
- * security, a function in a CHECK constraint or an index), search_path is
- * also pinned to pg_catalog, pg_temp, so that none of it resolves a name
- * in a schema the caller controls, as PostgreSQL runs index expressions in
- * its maintenance commands.  There, unlike in those commands, pg_temp is
- * the caller's own temporary schema, and PostgreSQL looks tables and types
- * up in it whatever the path says: a caller's temporary table named like
- * an unqualified table in a trigger would receive a write made with the
- * owner's rights, and its own triggers would run as the owner.  So such a
- * write is refused while the caller's session has temporary objects.
- *
- * The saved identity is kept on the caller's stack, so that a section
- * opened inside another one (a trigger on the table that calls these
- * functions) restores what its own caller had.  An ERROR in between is
- * cleaned up by transaction (or subtransaction) abort, which also unwinds
- * the GUC nest level.
- */
-/*
- * Pin search_path in a section that runs a user's code: at its start and
- * again before each row, so that a path one row's trigger set does not
- * carry over to the next row.
+ * Pin search_path to pg_catalog, pg_temp: at the start of a section, and,
+ * when the table runs a user's code, again before each row, so that a path
+ * one row's trigger set does not carry over to the next row.
  */
 static void
-write_section_pin(WriteSection *section)
+write_section_pin(void)
 {
-	if (section->guc_nestlevel != 0)
-		(void) set_config_option("search_path", "pg_catalog, pg_temp",
-								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
-								 true, 0, false);
+	(void) set_config_option("search_path", "pg_catalog, pg_temp",
+							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
+							 true, 0, false);
 }
 
+/*
+ * Act as the table's owner, with restricted security and search_path
+ * pinned to pg_catalog, pg_temp, until write_section_end: the caller need
+ * not have any privilege on the table, nothing the table's owner attached
+ * (a trigger, a rule, a CHECK constraint, an index expression) can change
+ * session state, and none of it can resolve a name in a schema the caller
+ * controls, as PostgreSQL runs index expressions in its maintenance
+ * commands.
+ *
+ * There, unlike in those commands, pg_temp is the caller's own temporary
+ * schema, and PostgreSQL looks tables and types up in it whatever the path
+ * says: a caller's temporary table named like an unqualified table in a
+ * trigger would receive a write made with the owner's rights, and its own
+ * triggers would run as the owner.  So a write that can run a user's code
+ * (IdemCatalog.user_code) is refused while the caller's session has
+ * temporary tables or types.  A trigger that fires at commit would run
+ * outside any section: a write is refused while the table has one.
+ *
+ * The table is locked for writing first: that lock takes in the
+ * invalidations of DDL committed since the transaction's last look at the
+ * table (a trigger just created), so that the catalog judged is the one
+ * the write meets.  The saved identity is kept on the caller's stack, so
+ * that a section opened inside another one (a trigger on the table that
+ * calls these functions) restores what its own caller had.  An ERROR in
+ * between is cleaned up by transaction (or subtransaction) abort, which
+ * also unwinds the GUC nest level.
+ */
 static void
 write_section_begin(WriteSection *section)
 {
 	const IdemCatalog *catalog = idem_catalog();
 
+	LockRelationOid(catalog->keys, RowExclusiveLock);
+	catalog = idem_catalog();
+	if (catalog->deferred_trigger)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("cannot write idempotency keys while idempotency.keys has a deferrable trigger"),
+				 errdetail("A deferred trigger fires at commit, outside the write, where it cannot run with the restrictions the table owner's rights need."),
+				 errhint("Make the trigger NOT DEFERRABLE, or drop it.")));
 	if (catalog->user_code && write_caller_has_temp_objects())
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("cannot write idempotency keys while this session has temporary objects"),
-				 errdetail("idempotency.keys has triggers, rules, row security or functions in its constraints or indexes, which run with its owner's rights, and PostgreSQL looks unqualified table and type names up in the session's temporary schema first."),
+				 errdetail("idempotency.keys has triggers, rules, row security, constraints or index expressions, which run with its owner's rights, and PostgreSQL looks table and type names up in the session's temporary schema whatever search_path says."),
 				 errhint("Drop this session's temporary tables and types (DISCARD TEMP), or call the function from a session without them.")));
 	GetUserIdAndSecContext(&section->saved_userid, &section->saved_sec_context);
 	SetUserIdAndSecContext(catalog->owner, section->saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
-	section->guc_nestlevel = 0;
-	if (catalog->user_code)
-	{
-		section->guc_nestlevel = NewGUCNestLevel();
-		write_section_pin(section);
-	}
+	section->user_code = catalog->user_code;
+	section->guc_nestlevel = NewGUCNestLevel();
+	write_section_pin();
 }
 
 /*
@@ -253,8 +264,7 @@ write_section_begin(WriteSection *section)
 static void
 write_section_end(WriteSection *section)
 {
-	if (section->guc_nestlevel != 0)
-		AtEOXact_GUC(false, section->guc_nestlevel);
+	AtEOXact_GUC(false, section->guc_nestlevel);
 	SetUserIdAndSecContext(section->saved_userid, section->saved_sec_context);
 }
 
@@ -309,14 +319,16 @@ write_rule_sql(const WriteRule *rule, Oid *argtypes, int *nargs)
 	else
 	{
 		appendStringInfoString(&sql, " WHERE ctid OPERATOR(pg_catalog.=) $1");
-		/* an update locks as it writes: FOR NO KEY UPDATE (direct.c) */
+		/* the row is locked in the mode of the write (direct.c) */
 		if (rule->skip_busy)
 			appendStringInfo(&sql,
 							 " AND ctid OPERATOR(pg_catalog.=) ("
 							 "SELECT ctid FROM idempotency.keys "
 							 "WHERE ctid OPERATOR(pg_catalog.=) $1 "
 							 "FOR %s SKIP LOCKED)",
-							 rule->cmd == CMD_UPDATE ? "NO KEY UPDATE" : "UPDATE");
+							 rule->cmd == CMD_UPDATE &&
+							 (columns & idem_catalog()->key_columns) == 0 ?
+							 "NO KEY UPDATE" : "UPDATE");
 	}
 	pfree(vals.data);
 	return sql.data;
@@ -327,8 +339,9 @@ static SPIPlanPtr
 write_plan(WriteKind kind)
 {
 	int			ncols = idem_catalog()->ncols;
+	uint32		key_columns = idem_catalog()->key_columns;
 
-	if (write_plans_ncols != ncols)
+	if (write_plans_ncols != ncols || write_plans_key_columns != key_columns)
 	{
 		for (int i = 0; i < NUM_WRITE_KINDS; i++)
 		{
@@ -337,6 +350,7 @@ write_plan(WriteKind kind)
 			write_plans[i] = NULL;
 		}
 		write_plans_ncols = ncols;
+		write_plans_key_columns = key_columns;
 	}
 	if (write_plans[kind] == NULL)
 	{
@@ -522,8 +536,8 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 		for (int i = 0; i < n; i++)
 		{
 			CHECK_FOR_INTERRUPTS();
-			/* what one row's code set does not carry over to the next */
-			write_section_pin(&section);
+			if (section.user_code)
+				write_section_pin();
 			if (write_direct(&direct, rule, columns, &rows[i]))
 				done++;
 			else if (!rule->skip_busy)
@@ -550,7 +564,7 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 			uint64		written;
 
 			CHECK_FOR_INTERRUPTS();
-			write_section_pin(&section);
+			write_section_pin();
 			if (rule->skip_busy && IsolationUsesXactSnapshot())
 				written = write_execute_skipping(kind, &rows[i]);
 			else
@@ -806,8 +820,7 @@ static XLogRecPtr token_flush_lsn = InvalidXLogRecPtr;
  * the LSN of its page.  A sequence logs its position ahead (every 32
  * values, and at the first nextval after a checkpoint) and sets the page's
  * LSN to that record; the values handed out until the next such record,
- * by any backend, are covered by it.  A pin is enough to read the LSN
- * (BufferGetLSNAtomic), as for any page another backend may be changing.
+ * by any backend, are covered by it.
  */
 static XLogRecPtr
 token_sequence_lsn(Oid seqid)
@@ -816,30 +829,51 @@ token_sequence_lsn(Oid seqid)
 	Buffer		buf = ReadBuffer(seqrel, 0);
 	XLogRecPtr	lsn;
 
-	lsn = BufferGetLSNAtomic(buf);
-	ReleaseBuffer(buf);
+	/* nextval sets the LSN under the exclusive content lock */
+	LockBuffer(buf, BUFFER_LOCK_SHARE);
+	lsn = PageGetLSN(BufferGetPage(buf));
+	UnlockReleaseBuffer(buf);
 	relation_close(seqrel, NoLock);
 	return lsn;
 }
 
 /*
  * Has every synchronous standby that a commit would wait for confirmed
- * the WAL up to "lsn" (or is there none to wait for)?
+ * the WAL up to "lsn" (or is there none to wait for)?  The same test as
+ * SyncRepWaitForLSN's.  Since the minor releases of May 2025 the shared
+ * state has a flag saying whether the checkpointer has set it up yet;
+ * until then, the setting decides.  Which layout the running server has is
+ * told by its version, not by the headers this library was built with.
  */
 static bool
 token_on_standbys(XLogRecPtr lsn)
 {
+	static int	server_version = 0;
 	bool		done;
 	int			mode;
+	uint8		status;
+	bool		has_init_flag;
 
 	if (!SyncRepRequested())
 		return true;
+	if (server_version == 0)
+		server_version = atoi(GetConfigOption("server_version_num", false, false));
+	has_init_flag = server_version >= 170005 ||
+		(server_version >= 160009 && server_version < 170000) ||
+		(server_version >= 150013 && server_version < 160000);
 	/* what SyncRepWaitForLSN waits for outside a commit */
 	mode = synchronous_commit == SYNCHRONOUS_COMMIT_REMOTE_WRITE ?
 		SYNC_REP_WAIT_WRITE : SYNC_REP_WAIT_FLUSH;
 	LWLockAcquire(SyncRepLock, LW_SHARED);
-	done = !IDEM_SYNC_STANDBYS_DEFINED(WalSndCtl) ||
-		lsn <= WalSndCtl->lsn[mode];
+	status = IDEM_SYNC_STANDBYS_FIELD(WalSndCtl);
+	if (!has_init_flag)
+		done = status == 0 || lsn <= WalSndCtl->lsn[mode];
+	else if (status & IDEM_SYNC_STANDBY_INIT)
+		done = (status & IDEM_SYNC_STANDBY_DEFINED) == 0 ||
+			lsn <= WalSndCtl->lsn[mode];
+	else
+		done = lsn <= WalSndCtl->lsn[mode] ||
+			SyncRepStandbyNames == NULL || SyncRepStandbyNames[0] == '\0';
 	LWLockRelease(SyncRepLock);
 	return done;
 }
@@ -866,8 +900,8 @@ token_make_durable(XLogRecPtr lsn)
 	if (!token_on_standbys(lsn))
 		ereport(ERROR,
 				(errcode(ERRCODE_QUERY_CANCELED),
-				 errmsg("canceling statement due to user request"),
-				 errdetail("The synchronous standby had not confirmed the fencing token's sequence record yet; no token was handed out.")));
+				 errmsg("canceling the wait for the synchronous standby to confirm a fencing token"),
+				 errdetail("The standby had not confirmed the token's sequence record yet; no token was handed out.")));
 }
 
 /*
