@@ -191,6 +191,7 @@ if [[ $suite == isolation ]]; then
 	done
 	skip[session_binding_reused]="sets the token sequence back to make two sessions share a C edition binding number; the SQL edition's bindings are pid and backend start"
 	skip[session_bound_takeover]="ends bindings with pg_advisory_unlock_all() and DISCARD ALL, which the SQL edition's bindings (pid and backend start) outlive"
+	skip[trigger_added_mid_transaction]="the SQL edition does not yet refuse owner-rights writes in a session with temporary tables (a known gap: sql-edition/README.md)"
 fi
 run=()
 for t in "${all[@]}"; do
