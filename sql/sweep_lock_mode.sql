@@ -48,6 +48,19 @@ SELECT * FROM pg_temp.old_version(:'l2_tid');
 SELECT token IS NULL AS reset FROM idempotency.keys WHERE scope = 'sweep-lock' AND key = 'l2';
 ROLLBACK;
 
+-- with a unique index on token (one a foreign key can reference), a reset
+-- changes a column of the row's key: the sweep locks it FOR UPDATE, the
+-- mode of that update, which then has nothing to strengthen
+SELECT outcome FROM idempotency.idem_claim('l3', scope => 'sweep-lock', lease => '1 millisecond');
+SELECT ctid AS l3_tid FROM idempotency.keys WHERE scope = 'sweep-lock' AND key = 'l3' \gset
+SELECT pg_sleep(0.01);
+BEGIN;
+CREATE UNIQUE INDEX keys_token_idx ON idempotency.keys (token);
+SELECT reset FROM idempotency.idem_sweep();
+SELECT * FROM pg_temp.old_version(:'l3_tid');
+SELECT token IS NULL AS reset FROM idempotency.keys WHERE scope = 'sweep-lock' AND key = 'l3';
+ROLLBACK;
+
 DROP FUNCTION public.sweep_lock_noop();
 DELETE FROM idempotency.keys WHERE scope = 'sweep-lock';
 DROP EXTENSION pageinspect;
