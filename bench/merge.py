@@ -20,7 +20,7 @@ import sys
 GENERAL = ("date", "pg_version", "nproc", "cpu", "settings", "params", "have_ext",
            "have_worker", "so", "check_peer", "check_ext")
 SIZE_ROWS = {"n_replay": {8, 14, 20}, "n_small": {12}, "n_big": {12}, "n_big_actual": {12},
-             "n_sweep": {11}, "n_backlog": {11}, "batch": {15, 22}, "n_ckpt": {16},
+             "n_sweep": {11}, "n_backlog": {11}, "batch": {15, 22, 23}, "n_ckpt": {16},
              "n_prof": {19, 20}}
 
 

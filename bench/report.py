@@ -43,7 +43,7 @@ for line in open(extra_path):
 # keys per second (pgbench's tps times BATCH), which its ratios compare with
 # row 1's ops per second.
 BATCH = int(extra.get("batch", "100"))
-for _label in ("r15a", "r15b", "r15c", "r22", "r22c", "r22f"):
+for _label in ["r15a", "r15b", "r15c", "r22", "r22c", "r22f"] + [lb for lb in runs if lb.startswith("r23_") and "_batch_" in lb]:
     for _r in runs.get(_label, {}).values():
         if _r["tps"] is not None:
             _r["tps"] *= BATCH
@@ -559,6 +559,78 @@ if any(r[1] in runs for r in SQL_ROWS):
             w("| `%s` | %.2f | %.4f | %.4f |" % (f[0], f[1] / n, f[3] / n, f[2] / n))
         w("")
 
+# row 23
+def spread(a, b):
+    v = ratios_list(a, b)
+    return "%.2f-%.2f" % (min(v), max(v)) if v else "n/a"
+
+
+r23 = sorted({tuple(lb.split("_")[1:4]) for lb in runs if lb.startswith("r23_") and lb.endswith("_new")},
+             key=lambda t: (int(t[0]), {"cf": 0, "cfa": 1}.get(t[1], 2), int(t[2])))
+if r23:
+    w("## Row 23: release 1.5 vs this tree, PostgreSQL %s" % " and ".join(sorted({t[0] for t in r23}, key=int)))
+    w("")
+    w("The same scripts against two builds of the extension: %s and %s. Each build is installed "
+      "into a private copy of the PostgreSQL installation and runs in a cluster of its own (the main "
+      "cluster's settings, ports PORT+1 and PORT+2); both clusters are up side by side and each round "
+      "runs the two builds back to back, in reverse order every other round. Workloads: row 1's claim + "
+      "finish (2 autocommit transactions, ops/s), the same with `synchronous_commit = off` in the session "
+      "(the commits do not wait for fsync, so the code's own time shows) and row 15a's batch (`idem_claim_many` + `INSERT ... "
+      "SELECT` + `idem_finish_many` of %d keys in one transaction, **keys/s**). Ratio: this tree / 1.5, "
+      "the median of the per-round ratios; spread: the lowest and highest per-round ratio."
+      % (extra.get("old_build", "?"), extra.get("new_build", "?"), BATCH))
+    w("")
+    for k, v in sorted(extra.items()):
+        if k.startswith("r23_pg."):
+            w("- PostgreSQL %s: %s" % (k[7:], v))
+        if k.startswith("r23_skipped."):
+            w("- PostgreSQL %s: skipped (%s)" % (k[12:], v))
+    w("")
+    w("| PostgreSQL | workload | clients | 1.5 ops/s (keys/s) | this tree ops/s (keys/s) | this tree / 1.5 | spread | p99 ms 1.5 | p99 ms this tree | rounds |")
+    w("|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
+    for pg, wl, c in r23:
+        o, n = "r23_%s_%s_%s_old" % (pg, wl, c), "r23_%s_%s_%s_new" % (pg, wl, c)
+        w("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %d |" % (
+            pg, {"cf": "claim + finish", "cfa": "claim + finish, `synchronous_commit = off`"}.get(
+                wl, "batch of %d (keys/s)" % BATCH), c,
+            fmt(med(o)), fmt(med(n)), fx(ratio(n, o)), spread(n, o),
+            fmt(med(o, "p99"), "%.2f"), fmt(med(n, "p99"), "%.2f"), len(ratios_list(n, o))))
+    w("")
+    w("Per round (this tree / 1.5): " + "; ".join(
+        "PostgreSQL %s, %s, %s client(s): %s" % (pg, {"cf": "claim + finish", "cfa": "the same, asynchronous commit"}.get(wl, "batch"), c, per_round("r23_%s_%s_%s_new" % (pg, wl, c), "r23_%s_%s_%s_old" % (pg, wl, c)))
+        for pg, wl, c in r23) + ".")
+    w("")
+
+# row 24
+if "r24" in runs:
+    r24 = ratio("r24", "r24f")
+    w("## Row 24: claim + finish vs the floor at %s clients" % (
+        re.search(r"CLIENTS_64=(\d+)", extra.get("params", "")) or [None, "64"])[1])
+    w("")
+    w("Row 1's script (claim + finish, 2 autocommit transactions) and row 7's (bare `INSERT` + `UPDATE` "
+      "of `bench.floor_keys`) with many clients, so that commits share WAL flushes (group commit); "
+      "interleaved rounds. p50 and p99 are of the whole pgbench transaction (both statements).")
+    w("")
+    w("| script | ops/s | p50 ms | p99 ms | p99 / p50 | mean ms |")
+    w("|---|---:|---:|---:|---:|---:|")
+    for lb, name in (("r24", "claim + finish (row 1)"), ("r24f", "floor (row 7)")):
+        p50, p99 = med(lb, "p50"), med(lb, "p99")
+        w("| %s | %s | %s | %s | %s | %s |" % (name, fmt(med(lb)), fmt(p50, "%.2f"), fmt(p99, "%.2f"),
+                                              fmt(p99 / p50 if p50 and p99 else None, "%.1f"), fmt(med(lb, "mean"), "%.2f")))
+    w("")
+    w("Claim + finish / floor: %s (per round: %s)." % (fx(r24), per_round("r24", "r24f")))
+    for name in ("ext", "floor"):
+        v = extra.get("waits_r24.%s" % name)
+        if v:
+            f = v.split()
+            tot = int(f[1]) or 1
+            w("")
+            w("Wait events of the %s backends (`pg_stat_activity` every 20 ms, %s samples, %s backend "
+              "samples; CPU = no wait event): %s." % (
+                  "claim + finish" if name == "ext" else "floor", f[0], f[1],
+                  ", ".join("%s %.0f%%" % (e.split("=")[0], 100.0 * int(e.split("=")[1]) / tot) for e in f[2:10])))
+    w("")
+
 # targets
 w("## Targets")
 w("")
@@ -659,6 +731,11 @@ for row, what in (("19", "claim + finish"), ("20", "replay")):
         w("| row %s: the SQL edition's time per call <= 1.5x the C edition's, %s | %s the C edition's time per call (SQL / C ops/s %s over %d rounds; per round: %s) | %s |" % (
             row, what, fx(1 / _r), fx(_r), len(ratios_list("r" + row, "r%sc" % row)),
             per_round("r" + row, "r%sc" % row), yes(1 / _r <= 1.5)))
+if "r24" in runs:
+    _r, _p50, _p99 = ratio("r24", "r24f"), med("r24", "p50"), med("r24", "p99")
+    w("| row 24: claim + finish at 64 clients >= 0.9x the floor, p99 <= 3x p50 | %s (per round: %s); p99 / p50 %s | %s |" % (
+        fx(_r), per_round("r24", "r24f"), fmt(_p99 / _p50 if _p50 and _p99 else None, "%.1f"),
+        yes(None if _r is None or not _p50 else _r >= 0.9 and _p99 <= 3 * _p50)))
 for mode, t in takeover.items():
     w("| row 18: takeover after the session dies < 100 ms (%s) | p50 %.2f ms, p99 %.2f ms, max %.2f ms over %d; %d of %d claimed with attempt 2 | %s |" % (
         {"kill": "client killed", "terminate": "backend terminated"}[mode], t[0], t[1], t[2], t[4], t[5], t[4],
