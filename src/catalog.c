@@ -7,7 +7,10 @@
  * and (for tenant.c) any other relation of the extension's schema: by name,
  * locked, looked up again when invalidations arrived during the lock wait,
  * and checked to be what the extension created (members of the extension,
- * the columns and indexes the store reads directly).  The result is cached
+ * the columns and indexes the store reads directly), and what a write of
+ * the table runs besides the store's own code: a user's code (write.c then
+ * refuses callers with temporary tables), a deferred trigger, the columns
+ * of its unique indexes (the row lock mode).  The result is cached
  * per backend and forgotten on any invalidation of those relations.  Every
  * refusal is an ERROR with a SQLSTATE (42704 when the extension is not
  * installed, 55000 when its objects are missing or replaced).
