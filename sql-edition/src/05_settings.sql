@@ -7,13 +7,12 @@
  * which are placeholders without the C library, with the C edition's
  * defaults and units), args.c (the _check_* functions: every argument
  * check with the C edition's message and SQLSTATE, in the same order),
- * keylock.c and fingerprint.c (_lock_class, _key_hash, _mark_insert: the
- * key's advisory lock and its insert mark; _fingerprint: the request's
- * SHA-256, the same bytes as the C edition's, so that a key claimed by
- * one edition is recognised by the other), and the message helpers
- * (_raise, _key_display).  Nothing here reads idempotency.keys or runs as
- * its owner: client functions and workers alike call these helpers, as
- * whichever role runs them.
+ * fingerprint.c (_fingerprint: the request's SHA-256, the same bytes as
+ * the C edition's, so that a key claimed by one edition is recognised by
+ * the other), and the message helpers (_raise, _key_display).  The API
+ * functions test their arguments inline and call a _check_* function only
+ * to raise its exact error, so these are off the fast path.  Nothing here
+ * reads idempotency.keys.
  *
  *-------------------------------------------------------------------------
  */
@@ -22,70 +21,6 @@
  * Helpers: settings, argument checks (args.c, guc.c)
  * ---------------------------------------------------------------------
  */
-
-/*
- * The advisory lock class of the SQL edition: every lock it takes is
- * pg_advisory_lock(7655, n) (0x1de7, the C edition's tag for its key
- * locks).  Applications must not use this first key for their own locks.
- */
-CREATE OR REPLACE FUNCTION idempotency._lock_class()
-RETURNS integer
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-RETURN 7655;
-
-/*
- * The lock number of (scope, key), 31 bits (0 to 2^31 - 1): the scope's
- * byte length first, so that ("ab", "c") and ("a", "bc") differ.  The
- * negative numbers are the keys' insert marks (_mark_insert).  A collision
- * costs at worst an in_progress while the other key is being written: the
- * table decides every outcome.
- */
-CREATE OR REPLACE FUNCTION idempotency._key_hash(scope text, key text)
-RETURNS integer
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text
-	OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) scope
-	OPERATOR(pg_catalog.||) key) OPERATOR(pg_catalog.&) 2147483647;
-
-/*
- * Before a claim inserts key "h" (holding its lock): false when another
- * transaction's insert of the key is in flight, which SQL cannot see (no
- * dirty read) and whose unique check would wait for that transaction.
- * Such an insert holds the key's mark, the advisory lock (7655, -1 - h),
- * until its transaction ends; asking for it in share mode answers without
- * waiting.  Otherwise the caller is about to insert, and marks the key
- * itself, at most 16 keys a transaction (the lock table is shared and a
- * transaction may claim any number of keys) and never in a batch that
- * would pass that number (idempotency_sql.no_marks).  An insert of an
- * unmarked key is found by the insert's own unique check, under its 1 ms
- * lock_timeout (_write_claim).  A mark taken in a subtransaction that
- * rolls back is released with it, as the row is.
- */
-CREATE OR REPLACE FUNCTION idempotency._mark_insert(h integer)
-RETURNS boolean
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-	m integer := -1 OPERATOR(pg_catalog.-) h;
-	marks integer;
-BEGIN
-	IF NOT pg_catalog.pg_try_advisory_lock_shared(idempotency._lock_class(), m) THEN
-		RETURN false;
-	END IF;
-	PERFORM pg_catalog.pg_advisory_unlock_shared(idempotency._lock_class(), m);
-	IF pg_catalog.current_setting('idempotency_sql.no_marks', true) IS DISTINCT FROM 'on' THEN
-		marks := COALESCE(NULLIF(pg_catalog.current_setting('idempotency_sql.marks', true), '')::integer, 0);
-		IF marks OPERATOR(pg_catalog.<) 16 AND pg_catalog.pg_try_advisory_xact_lock(idempotency._lock_class(), m) THEN
-			PERFORM pg_catalog.set_config('idempotency_sql.marks',
-				(marks OPERATOR(pg_catalog.+) 1)::text, true);
-		END IF;
-	END IF;
-	RETURN true;
-END;
-$$;
 
 /*
  * An idempotency.* setting as an interval.  Without the C library the
@@ -117,27 +52,68 @@ $$;
 /*
  * An idempotency.* setting that counts bytes (or plain numbers).  The C
  * edition lets only superusers change max_response_size and
- * stats_exact_limit (superuser_only): a placeholder can be SET by anyone,
- * so for any other session the value it started with counts (from the
- * configuration file, ALTER DATABASE or ALTER ROLE), not what it SET.
+ * stats_exact_limit (superuser_only); a placeholder can be set by anyone,
+ * with SET, a startup option or ALTER ROLE on itself.  So for a session
+ * whose login role is no superuser a value counts only up to the trusted
+ * one: what ALTER DATABASE ... SET (the database owner) or ALTER ROLE ALL
+ * SET gave this database, else the default.  A session may lower the
+ * limit for itself, never raise it.  -1 is "no limit" where the setting
+ * allows it ("unlimited"), the largest value there is.
  */
 CREATE OR REPLACE FUNCTION idempotency._guc_bytes(name text, dflt bigint,
-	superuser_only boolean DEFAULT false)
+	superuser_only boolean DEFAULT false, unlimited boolean DEFAULT false)
 RETURNS bigint
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-	v text := pg_catalog.btrim(pg_catalog.current_setting(name, true));
+	v bigint := idempotency._parse_bytes(name,
+		pg_catalog.current_setting(name, true), dflt, unlimited);
+	trusted bigint := dflt;
+	t text;
+BEGIN
+	IF NOT superuser_only OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
+							  WHERE r.rolname OPERATOR(pg_catalog.=) session_user) THEN
+		RETURN v;
+	END IF;
+	SELECT pg_catalog.substr(c, pg_catalog.strpos(c, '=') OPERATOR(pg_catalog.+) 1) INTO t
+	  FROM pg_catalog.pg_db_role_setting s, pg_catalog.unnest(s.setconfig) c
+	 WHERE s.setrole OPERATOR(pg_catalog.=) 0
+	   AND s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[0::oid,
+			(SELECT d.oid FROM pg_catalog.pg_database d
+			  WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())])
+	   AND pg_catalog.starts_with(c, name OPERATOR(pg_catalog.||) '=')
+	 ORDER BY s.setdatabase DESC
+	 LIMIT 1;
+	IF FOUND THEN
+		trusted := idempotency._parse_bytes(name, t, dflt, unlimited);
+	END IF;
+	IF unlimited AND v OPERATOR(pg_catalog.<) 0 THEN
+		RETURN trusted;			-- "no limit" is the largest value
+	END IF;
+	IF unlimited AND trusted OPERATOR(pg_catalog.<) 0 THEN
+		RETURN v;
+	END IF;
+	RETURN LEAST(v, trusted);
+END;
+$$;
+
+/* A byte count as the settings take it: a number with an optional unit. */
+CREATE OR REPLACE FUNCTION idempotency._parse_bytes(name text, v text, dflt bigint,
+	unlimited boolean)
+RETURNS bigint
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
 	m text[];
 BEGIN
-	IF superuser_only AND NOT (SELECT r.rolsuper FROM pg_catalog.pg_roles r
-							   WHERE r.rolname OPERATOR(pg_catalog.=) session_user) THEN
-		SELECT pg_catalog.btrim(s.reset_val) INTO v FROM pg_catalog.pg_settings s
-		 WHERE s.name OPERATOR(pg_catalog.=) _guc_bytes.name;
-	END IF;
+	v := pg_catalog.btrim(v);
 	IF v IS NULL OR v OPERATOR(pg_catalog.=) '' THEN
 		RETURN dflt;
+	END IF;
+	IF unlimited AND v OPERATOR(pg_catalog.=) '-1' THEN
+		RETURN -1;
 	END IF;
 	m := pg_catalog.regexp_match(v, '^([0-9]+)\s*(B|kB|MB|GB|TB)?$');
 	IF m IS NULL THEN
@@ -149,6 +125,17 @@ BEGIN
 		WHEN 'GB' THEN 1073741824 WHEN 'TB' THEN 1099511627776 ELSE 1 END;
 END;
 $$;
+
+/*
+ * idempotency.max_response_size in bytes: the default unless set, so that
+ * the usual case reads one setting (an inlined SQL function).
+ */
+CREATE OR REPLACE FUNCTION idempotency._response_limit()
+RETURNS bigint
+LANGUAGE sql STABLE
+RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.max_response_size', true), '')
+			OPERATOR(pg_catalog.=) '' THEN 1048576
+	ELSE idempotency._guc_bytes('idempotency.max_response_size', 1048576, true) END;
 
 /* A key, scope or phase: not NULL, at most 255 characters, maybe not empty. */
 CREATE OR REPLACE FUNCTION idempotency._check_name(t text, name text, allow_empty boolean)
@@ -257,7 +244,7 @@ BEGIN
 	IF body IS NULL THEN
 		RETURN;
 	END IF;
-	lim := idempotency._guc_bytes('idempotency.max_response_size', 1048576, true);
+	lim := idempotency._response_limit();
 	bytes := pg_catalog.pg_column_size(body::text::jsonb) OPERATOR(pg_catalog.-) 4;
 	IF bytes OPERATOR(pg_catalog.>) lim THEN
 		RAISE EXCEPTION '% is too large', name

@@ -4,9 +4,17 @@
  *	  Refusing a store that is not as the script made it.
  *
  * Mirrors catalog.c: _check_catalog and _check_bindings raise 55000 or
- * 42704 for a missing, replaced or damaged table, sequence or index.  The
- * SQL edition has no relation cache to remember a verdict in, so every
- * worker asks again at every call.
+ * 42704 for a missing, replaced or damaged table, sequence or index, and
+ * _store_verdict adds what the C edition judges of a write (code a user
+ * attached to the table, a deferrable trigger, an index that inlines a
+ * SQL function).  The verdict is kept where PostgreSQL keeps a plan: the
+ * API functions' first query calls _store_verdict, which the planner
+ * folds into a constant, and PostgreSQL plans that query again after any
+ * change to the table, its indexes, triggers, rules or policies, the
+ * bindings table or the sequence (the relation cache invalidation the C
+ * edition listens to), so the catalog is read once per session and per
+ * such change, not at every call.  _refuse_write raises what a write
+ * must not do under that verdict.
  *
  *-------------------------------------------------------------------------
  */
@@ -166,5 +174,173 @@ BEGIN
 		RAISE EXCEPTION 'table "idempotency.scope_bindings" is not as extension "idempotency" created it'
 			USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
 	END IF;
+END;
+$$;
+
+/*
+ * The verdict on the store, for the API functions' first query: raises
+ * what _check_catalog and _check_bindings raise, and 55000 for an index
+ * whose expressions or predicate call a LANGUAGE sql function PostgreSQL
+ * may inline (its body would be parsed with the search_path of whichever
+ * session plans the table first); else returns
+ *   1  when a write runs code a user attached to idempotency.keys: a
+ *      trigger (a foreign key that references the table has them), a rule,
+ *      row security, a stored generated column, any CHECK constraint, any
+ *      index expression or predicate but keys_owner_session_idx's, an
+ *      access method, operator class or exclusion operator that is not
+ *      PostgreSQL's own;
+ *   2  added when one of those triggers is deferrable (it fires at commit,
+ *      outside the call);
+ *   4  added when the table has a rule on INSERT or UPDATE, where
+ *      PostgreSQL refuses INSERT ... ON CONFLICT (a claim inserts without);
+ * else 0.  IMMUTABLE although it reads the catalog, so that the planner
+ * folds it into the plan: the plan is the cache, and every change that
+ * alters the answer also invalidates the plans that read the table.
+ */
+CREATE OR REPLACE FUNCTION idempotency._store_verdict()
+RETURNS integer
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	RETURN idempotency._store_verdict_read();
+END;
+$$;
+
+/*
+ * What _store_verdict answers, read from the catalog.  VOLATILE, so that
+ * each of its queries (and those of the checks it calls) reads the
+ * catalog as committed now: the planner calls it while it plans, after
+ * it waited for the locks of a DDL that just committed, with the
+ * snapshot of the statement taken before that wait.
+ */
+CREATE OR REPLACE FUNCTION idempotency._store_verdict_read()
+RETURNS integer
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	keys oid;
+	session_idx oid;
+	f record;
+	flags integer := 0;
+BEGIN
+	PERFORM idempotency._check_catalog();
+	PERFORM idempotency._check_bindings();
+	keys := pg_catalog.to_regclass('idempotency.keys');
+	session_idx := pg_catalog.to_regclass('idempotency.keys_owner_session_idx');
+	SELECT ic.relname, p.oid::pg_catalog.regprocedure AS fn INTO f
+	  FROM pg_catalog.pg_index i
+	  JOIN pg_catalog.pg_class ic ON ic.oid OPERATOR(pg_catalog.=) i.indexrelid
+	  JOIN pg_catalog.pg_depend d
+		ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass
+	   AND d.objid OPERATOR(pg_catalog.=) i.indexrelid
+	   AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+	  JOIN pg_catalog.pg_proc p ON p.oid OPERATOR(pg_catalog.=) d.refobjid
+	 WHERE i.indrelid OPERATOR(pg_catalog.=) keys
+	   AND p.prolang OPERATOR(pg_catalog.=) (SELECT l.oid FROM pg_catalog.pg_language l
+											 WHERE l.lanname OPERATOR(pg_catalog.=) 'sql')
+	   AND NOT p.prosecdef AND p.proconfig IS NULL AND p.prosqlbody IS NULL
+	 LIMIT 1;
+	IF FOUND THEN
+		RAISE EXCEPTION 'index "%" of idempotency.keys calls SQL function %, whose body PostgreSQL inlines with the search_path of the session that plans it',
+			f.relname, f.fn
+			USING ERRCODE = '55000',
+				  HINT = 'Give the function a search_path (ALTER FUNCTION ... SET search_path = pg_catalog) or a BEGIN ATOMIC body, or drop the index.';
+	END IF;
+	IF EXISTS (SELECT FROM pg_catalog.pg_trigger t WHERE t.tgrelid OPERATOR(pg_catalog.=) keys)
+	   OR EXISTS (SELECT FROM pg_catalog.pg_rewrite r WHERE r.ev_class OPERATOR(pg_catalog.=) keys)
+	   OR EXISTS (SELECT FROM pg_catalog.pg_class c
+				   WHERE c.oid OPERATOR(pg_catalog.=) keys
+					 AND (c.relrowsecurity OR c.relam OPERATOR(pg_catalog.>=) 16384))
+	   OR EXISTS (SELECT FROM pg_catalog.pg_attribute a
+				   WHERE a.attrelid OPERATOR(pg_catalog.=) keys AND a.attnum OPERATOR(pg_catalog.>) 0
+					 AND NOT a.attisdropped AND a.attgenerated OPERATOR(pg_catalog.<>) '')
+	   OR EXISTS (SELECT FROM pg_catalog.pg_constraint k
+				   WHERE k.conrelid OPERATOR(pg_catalog.=) keys
+					 AND (k.contype OPERATOR(pg_catalog.=) 'c'
+						  OR (k.contype OPERATOR(pg_catalog.=) 'x' AND EXISTS (
+							  SELECT FROM pg_catalog.pg_operator op
+							   WHERE op.oid OPERATOR(pg_catalog.=) ANY (k.conexclop)
+								 AND op.oprcode::pg_catalog.oid OPERATOR(pg_catalog.>=) 16384))))
+	   OR EXISTS (SELECT FROM pg_catalog.pg_index i
+				  WHERE i.indrelid OPERATOR(pg_catalog.=) keys
+					AND (i.indexprs IS NOT NULL
+						 OR (i.indpred IS NOT NULL AND i.indexrelid IS DISTINCT FROM session_idx)
+						 OR EXISTS (SELECT FROM pg_catalog.pg_class ic
+									 WHERE ic.oid OPERATOR(pg_catalog.=) i.indexrelid
+									   AND ic.relam OPERATOR(pg_catalog.>=) 16384)
+						 OR EXISTS (SELECT FROM pg_catalog.pg_opclass o
+									 WHERE o.oid OPERATOR(pg_catalog.=) ANY (i.indclass::pg_catalog.oid[])
+									   AND (o.oid OPERATOR(pg_catalog.>=) 16384 OR EXISTS (
+										   SELECT FROM pg_catalog.pg_amproc ap
+											WHERE ap.amprocfamily OPERATOR(pg_catalog.=) o.opcfamily
+											  AND ap.amproc::pg_catalog.oid OPERATOR(pg_catalog.>=) 16384))))) THEN
+		flags := 1;
+	END IF;
+	IF EXISTS (SELECT FROM pg_catalog.pg_trigger t
+				WHERE t.tgrelid OPERATOR(pg_catalog.=) keys AND t.tgdeferrable
+				  AND t.tgfoid OPERATOR(pg_catalog.>=) 16384) THEN
+		flags := flags OPERATOR(pg_catalog.|) 2;
+	END IF;
+	IF EXISTS (SELECT FROM pg_catalog.pg_rewrite r
+				WHERE r.ev_class OPERATOR(pg_catalog.=) keys
+				  AND r.ev_type OPERATOR(pg_catalog.=) ANY (ARRAY['2', '3']::"char"[])) THEN
+		flags := flags OPERATOR(pg_catalog.|) 4;
+	END IF;
+	RETURN flags;
+END;
+$$;
+
+/*
+ * Before a write under the verdict "flags": refuse (55000) while the table
+ * has a deferrable trigger of a user's, and, while it runs a user's code,
+ * in a session that has temporary tables or types.  Such code runs with
+ * the owner's rights, and PostgreSQL looks table and type names up in the
+ * session's temporary schema whatever search_path says: a caller's
+ * temporary table named like an unqualified table in a trigger would
+ * receive the owner's write.
+ */
+CREATE OR REPLACE FUNCTION idempotency._refuse_write(flags integer)
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	IF flags OPERATOR(pg_catalog.&) 2 OPERATOR(pg_catalog.<>) 0 THEN
+		RAISE EXCEPTION 'cannot write idempotency keys while idempotency.keys has a deferrable trigger'
+			USING ERRCODE = '55000',
+				  DETAIL = 'A deferred trigger fires at commit, outside the write, where it cannot run with the restrictions the table owner''s rights need.',
+				  HINT = 'Make the trigger NOT DEFERRABLE, or drop it.';
+	END IF;
+	IF flags OPERATOR(pg_catalog.&) 5 OPERATOR(pg_catalog.<>) 0
+	   AND pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.<>) 0
+	   AND EXISTS (SELECT FROM pg_catalog.pg_depend d
+					WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_namespace'::pg_catalog.regclass
+					  AND d.refobjid OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()
+					  AND d.classid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.pg_class'::pg_catalog.regclass,
+						  'pg_catalog.pg_type'::pg_catalog.regclass]::pg_catalog.oid[])) THEN
+		RAISE EXCEPTION 'cannot write idempotency keys while this session has temporary objects'
+			USING ERRCODE = '55000',
+				  DETAIL = 'idempotency.keys has triggers, rules, row security, constraints or index expressions, which run with its owner''s rights, and PostgreSQL looks table and type names up in the session''s temporary schema whatever search_path says.',
+				  HINT = 'Drop this session''s temporary tables and types (DISCARD TEMP), or call the function from a session without them.';
+	END IF;
+END;
+$$;
+
+/*
+ * Raise what is wrong when the tables the API functions read are not
+ * there under their names: those functions name them in their first
+ * query, which PostgreSQL would refuse with a bare 42P01 before the
+ * verdict could say more.
+ */
+CREATE OR REPLACE FUNCTION idempotency._check_store()
+RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	PERFORM idempotency._check_catalog();
+	PERFORM idempotency._check_bindings();
 END;
 $$;

@@ -1,64 +1,58 @@
 /*-------------------------------------------------------------------------
  *
  * 15_tenant.sql
- *	  Which scopes a caller may use.
+ *	  Who is calling, and which scopes that role may use.
  *
- * Mirrors tenant.c's check: _tenant_check raises 42501 unless the caller's
- * binding (and, for a name the session could not SET ROLE to, the session
- * user's) allows the scope.  Every worker calls it with the name its
- * client function passes, because a SECURITY DEFINER function cannot see
- * who called it.  The parts keep the order of the one script they are
- * joined into, so the bindings table's API is a part of its own,
- * 60_bindings.sql.
+ * Mirrors tenant.c's check.  The API functions run with their owner's
+ * rights (SECURITY DEFINER), where current_user is the owner: _caller
+ * names the role the session acts as, which the session cannot forge, and
+ * every API function looks that role's binding up in the same query that
+ * reads the key, so a call whose scope the binding does not allow is
+ * refused (42501, _tenant_refuse) before anything of the key is used.
+ * The parts keep the order of the one script they are joined into, so the
+ * bindings table's API is a part of its own, 60_bindings.sql.
  *
  *-------------------------------------------------------------------------
  */
 
-/* ---------------------------------------------------------------------
- * Tenant bindings (tenant.c)
- * ---------------------------------------------------------------------
+/*
+ * The role a call acts for: the role the session became with SET ROLE,
+ * else the role it logged in as (or was given by SET SESSION
+ * AUTHORIZATION).  Inside a SECURITY DEFINER function current_user is the
+ * function's owner; these two are what the session itself is, and no call
+ * can change them: SET ROLE accepts only a role the session's login role
+ * may become (from PostgreSQL 16 on, a membership granted WITH SET TRUE),
+ * and PostgreSQL refuses SET ROLE inside a SECURITY DEFINER function.  So
+ * where the C edition checks current_user, this edition checks the
+ * session's role: the same role, unless the call comes through another
+ * SECURITY DEFINER function, whose owner the C edition would check (the
+ * session's role is held to its binding either way).  An inlined SQL
+ * function: it costs a call nothing.
  */
+CREATE OR REPLACE FUNCTION idempotency._caller()
+RETURNS name
+LANGUAGE sql STABLE
+RETURN CASE WHEN pg_catalog.current_setting('role') OPERATOR(pg_catalog.=) 'none'
+	THEN session_user ELSE pg_catalog.current_setting('role')::name END;
 
 /*
- * Raise 42501 unless "caller" may use "scope".  A worker cannot see who
- * called it, so the client functions pass current_user; a name that the
- * session's own role could not have become by SET ROLE is not trusted on
- * its own, and the session user's binding is checked as well.  So calling
- * a worker directly never gets a role further than SET ROLE would.
+ * Raise the error of a binding that refuses "scope" to "who" (42501), or
+ * of a binding row without a prefix (XX001: the table lost its NOT NULL).
+ * Called only to raise, after the check made inline found the scope
+ * refused.
  */
-CREATE OR REPLACE FUNCTION idempotency._tenant_check(caller name, scope text)
+CREATE OR REPLACE FUNCTION idempotency._tenant_refuse(who name, scope text, prefix text)
 RETURNS void
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-	roles name[] := ARRAY[caller];
-	r name;
-	prefix text;
 BEGIN
-	PERFORM idempotency._check_bindings();
-	IF NOT EXISTS (SELECT FROM idempotency.scope_bindings) THEN
-		RETURN;
-	END IF;
-	IF EXISTS (SELECT FROM idempotency.scope_bindings b
-			   WHERE b.role IS NULL OR b.scope_prefix IS NULL) THEN
+	IF prefix IS NULL THEN
 		RAISE EXCEPTION 'table "idempotency.scope_bindings" has a row with a NULL role or prefix'
 			USING ERRCODE = 'XX001', HINT = 'Someone changed the table''s constraints; delete that row.';
 	END IF;
-	IF caller OPERATOR(pg_catalog.<>) session_user
-	   AND NOT pg_catalog.pg_has_role(session_user, caller, 'MEMBER') THEN
-		roles := roles OPERATOR(pg_catalog.||) session_user;
-	END IF;
-	FOREACH r IN ARRAY roles LOOP
-		SELECT b.scope_prefix INTO prefix
-		  FROM idempotency.scope_bindings b
-		 WHERE b.role::oid OPERATOR(pg_catalog.=)
-			   (SELECT a.oid FROM pg_catalog.pg_roles a WHERE a.rolname OPERATOR(pg_catalog.=) r);
-		IF FOUND AND NOT pg_catalog.starts_with(scope, prefix) THEN
-			RAISE EXCEPTION 'permission denied for idempotency scope "%"', scope
-				USING ERRCODE = '42501',
-					  DETAIL = pg_catalog.format('Role "%s" may only use scopes that start with "%s".', r, prefix);
-		END IF;
-	END LOOP;
+	RAISE EXCEPTION 'permission denied for idempotency scope "%"', scope
+		USING ERRCODE = '42501',
+			  DETAIL = pg_catalog.format('Role "%s" may only use scopes that start with "%s".', who, prefix);
 END;
 $$;

@@ -4,13 +4,16 @@
  *	  The calls that present a claim's token: idem_finish,
  *	  idem_finish_many, idem_extend, idem_release and idem_checkpoint.
  *
- * Mirrors holder.c, with those calls' writes of write.c: the worker
- * _w_token_call judges the token against the key's committed row (P0002,
- * 55000, 55006) and writes under the key's advisory lock, and _row_hold
- * asks the row locks of a version another transaction holds, because SQL
- * cannot see the change in flight that the C edition reads (55P03, or a
- * wait while the lease runs).  Must not claim: a key without a live claim
- * is never created or taken over here.
+ * Mirrors holder.c, with those calls' writes of write.c: _token_call locks
+ * the key's row when this token holds it, in the query that reads the
+ * caller's binding and the store's verdict, and writes; only when it
+ * cannot does it read the committed row to say why (P0002, 55000, 55006),
+ * and _row_hold asks the row locks of a version another transaction
+ * holds, because SQL cannot see the change in flight that the C edition
+ * reads (55P03, or a wait while the lease runs).  The API functions check
+ * their arguments inline and call _token_call with their owner's rights.
+ * Must not claim: a key without a live claim is never created or taken
+ * over here.
  *
  *-------------------------------------------------------------------------
  */
@@ -82,200 +85,186 @@ END;
 $do$;
 
 /*
- * One token holder's call: finish, extend, release or checkpoint the key.
- * Judges the token against the key's committed row (absent or past its
- * retention: P0002; finished: 55000; another token's: 55006), then locks
- * the row without waiting (another transaction changing or locking it:
- * 55P03) and writes.  Returns the key's expiry (finish), the new lease end
- * (extend), or NULL.  A finish repeated with the token that finished the
- * key answers that finish's expiry and writes nothing.
+ * One token holder's call, the arguments checked: finish, extend, release
+ * or checkpoint the key for the role p_who (oid p_role).  The common case
+ * is one query and one write: the row is locked without waiting (FOR NO
+ * KEY UPDATE SKIP LOCKED, which reads its newest committed version) only
+ * if it is pending under this token within its retention and the binding
+ * allows the scope, then written.  Otherwise the committed row says why
+ * (absent or past its retention: P0002; finished: 55000; another token's:
+ * 55006; the token current but another transaction holding the row:
+ * 55P03, or a wait while the lease runs, see below), and no row stays
+ * locked.  Returns the key's expiry (finish), the new lease end (extend),
+ * or NULL.  A finish repeated with the token that finished the key answers
+ * that finish's expiry and writes nothing.
  */
-CREATE OR REPLACE FUNCTION idempotency._w_token_call(caller name, kind text,
+CREATE OR REPLACE FUNCTION idempotency._token_call(p_who name, p_role oid, kind text,
 	p_key text, p_token bigint, p_scope text, p_code integer, p_body jsonb,
 	p_status text, p_interval interval, p_phase text,
 	OUT result timestamptz, OUT wrote boolean)
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-	fn text := 'idem_' OPERATOR(pg_catalog.||) kind OPERATOR(pg_catalog.||) '()';
 	now timestamptz;
+	r record;
 	p record;
-	h integer;
 	disp text;
-	locked tid;
-	n bigint;
-	step text;
 	hold text;
 	row_held boolean;
-	gone integer := 0;
+	step text;
+	setting text;
+	n bigint;
+	rounds integer := 0;
 BEGIN
-	IF kind IS NULL OR kind OPERATOR(pg_catalog.<>) ALL (ARRAY['finish', 'extend', 'release', 'checkpoint']) THEN
-		RAISE EXCEPTION 'unknown token call "%"', kind USING ERRCODE = '22023';
-	END IF;
-	PERFORM idempotency._check_name(p_key, 'key', false);
-	PERFORM idempotency._check_name(p_scope, 'scope', true);
-	IF p_token IS NULL THEN
-		RAISE EXCEPTION 'token must not be null' USING ERRCODE = '22004';
-	END IF;
-	IF kind OPERATOR(pg_catalog.=) 'finish' THEN
-		PERFORM idempotency._check_body(p_body, 'response_body');
-		PERFORM idempotency._check_status(p_status);
-		PERFORM idempotency._check_positive(p_interval, 'retention');
-	ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
-		PERFORM idempotency._check_positive(p_interval, 'lease');
-	ELSIF kind OPERATOR(pg_catalog.=) 'checkpoint' THEN
-		PERFORM idempotency._check_name(p_phase, 'phase', false);
-		PERFORM idempotency._check_body(p_body, 'data');
-	END IF;
-	PERFORM idempotency._check_writable(fn);
-	PERFORM idempotency._tenant_check(caller, p_scope);
-	PERFORM idempotency._check_catalog();
 	wrote := false;
-	h := idempotency._key_hash(p_scope, p_key);
-	disp := idempotency._key_display(p_scope, p_key);
+	IF pg_catalog.to_regclass('idempotency.keys') IS NULL OR
+	   pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL THEN
+		PERFORM idempotency._check_store();
+	END IF;
 	LOOP
-		PERFORM pg_catalog.pg_advisory_lock(idempotency._lock_class(), h);
-		BEGIN
-			now := pg_catalog.clock_timestamp();
-			SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
-			step := 'go';
-			row_held := false;
-			-- Another transaction is changing a key whose committed row is
-			-- this token's claim.  Without a dirty read the SQL edition
-			-- cannot see the new version, so it tells the change by the row
-			-- lock it holds, asked without waiting.  While the lease runs,
-			-- only the token's holder (an extend, checkpoint, finish or
-			-- release made elsewhere), a sweep moving sweep_at, or plain SQL
-			-- changes the key: an update of other columns than the key
-			-- leaves the token current and is waited for, as a row lock
-			-- waits (so a deadlock is detected), without the key's lock,
-			-- and the key is read again.  A delete (a release) or a plain
-			-- row lock is not waited for, and neither is any change once
-			-- the lease has ended (it may be a takeover): a lock still held
-			-- then refuses the call (55P03 below).  The probe's "busy" may
-			-- be stale (that transaction has ended) or read from a
-			-- transaction id that only looks running (an aborted row lock's
-			-- id that is also a live multixact's number), so the lock is
-			-- asked of the row itself; a version that is gone by then was
-			-- replaced by a change that has committed: read again.
-			IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
-			   AND p.token OPERATOR(pg_catalog.=) p_token
-			   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
-				hold := idempotency._row_hold(p.tid);
-				IF hold OPERATOR(pg_catalog.=) 'gone' THEN
-					step := 'again';
-				ELSIF hold OPERATOR(pg_catalog.=) 'update'
-				   AND p.lease_until OPERATOR(pg_catalog.>) now
-				   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)) THEN
-					step := 'wait';
-				ELSE
-					row_held := hold OPERATOR(pg_catalog.<>) 'free';
-				END IF;
+		now := pg_catalog.clock_timestamp();
+		SELECT v.verdict, b.role IS NOT NULL AS bound, b.scope_prefix AS prefix,
+			   k.tid, k.attempt, k.created_at, k.expires_at, k.retention, k.sweep_at,
+			   k.fingerprint
+		  INTO r
+		  FROM (SELECT idempotency._store_verdict() AS verdict,
+					   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
+		  LEFT JOIN idempotency.scope_bindings b
+			ON b.role::pg_catalog.oid OPERATOR(pg_catalog.=) p_role
+		  LEFT JOIN LATERAL (
+			SELECT k.ctid AS tid, k.attempt, k.created_at, k.expires_at, k.retention,
+				   k.sweep_at, k.fingerprint
+			  FROM idempotency.keys k
+			 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
+			   AND k.status OPERATOR(pg_catalog.=) 'pending' AND k.token OPERATOR(pg_catalog.=) p_token
+			   AND k.expires_at OPERATOR(pg_catalog.>) now
+			   AND (b.role IS NULL OR pg_catalog.starts_with(p_scope, b.scope_prefix))
+			   FOR NO KEY UPDATE OF k SKIP LOCKED) k ON true;
+		IF r.bound AND (r.prefix IS NULL OR NOT pg_catalog.starts_with(p_scope, r.prefix)) THEN
+			PERFORM idempotency._tenant_refuse(p_who, p_scope, r.prefix);
+		END IF;
+		IF r.tid IS NOT NULL THEN
+			-- the token holds the key, and the row is locked: write
+			IF r.attempt IS NULL OR r.created_at IS NULL OR r.retention IS NULL OR
+			   r.sweep_at IS NULL OR pg_catalog.octet_length(r.fingerprint) OPERATOR(pg_catalog.<>) 32 THEN
+				PERFORM idempotency._check_row(p_scope, p_key, 'pending', r.attempt,
+					r.created_at, r.expires_at, r.retention, r.sweep_at, r.fingerprint);
 			END IF;
-			IF step OPERATOR(pg_catalog.=) 'go' THEN
-				-- what the committed row says is said whatever is in flight
-				IF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
-					RAISE EXCEPTION 'idempotency key % does not exist', disp
-						USING ERRCODE = 'P0002',
-							  DETAIL = 'It was never claimed, was released, or its retention has passed.';
-				END IF;
-				IF p.status OPERATOR(pg_catalog.<>) 'pending' THEN
-					IF kind OPERATOR(pg_catalog.=) 'finish' AND p.token OPERATOR(pg_catalog.=) p_token THEN
-						result := p.expires_at;
-					ELSE
-						RAISE EXCEPTION 'idempotency key % is already finished', disp
-							USING ERRCODE = '55000',
-								  DETAIL = CASE WHEN kind OPERATOR(pg_catalog.=) 'finish'
-									THEN 'Another attempt stored its result.'
-									ELSE pg_catalog.format('Its status is "%s".', p.status) END;
-					END IF;
-				ELSIF p.token IS DISTINCT FROM p_token THEN
-					RAISE EXCEPTION 'token % is not the current token of idempotency key %', p_token, disp
-						USING ERRCODE = '55006',
-							  DETAIL = CASE WHEN p.token IS NOT NULL
-								THEN pg_catalog.format('Attempt %s holds the key now.', p.attempt)
-								ELSE 'The sweeper reset the key after its lease ended.' END,
-							  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
-				END IF;
+			IF r.verdict OPERATOR(pg_catalog.<>) 0 THEN
+				PERFORM idempotency._refuse_write(r.verdict);
 			END IF;
-			IF step OPERATOR(pg_catalog.=) 'go' AND result IS NULL THEN
-				-- the token is current
-				IF row_held THEN
-					RAISE EXCEPTION 'could not % idempotency key %', kind, disp
-						USING ERRCODE = '55P03',
-							  DETAIL = 'Another transaction holds a row lock on this key.',
-							  HINT = 'Retry once that transaction has ended.';
+			IF kind OPERATOR(pg_catalog.=) 'finish' THEN
+				result := now OPERATOR(pg_catalog.+) COALESCE(p_interval, r.retention);
+				UPDATE idempotency.keys k
+				   SET status = p_status, response_code = p_code,
+					   response_body = p_body, finished_at = now,
+					   lease_until = NULL, expires_at = result,
+					   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL
+				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
+			ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
+				IF p_interval IS NULL THEN
+					setting := pg_catalog.current_setting('idempotency.lease', true);
+					p_interval := CASE WHEN setting IS NULL OR setting OPERATOR(pg_catalog.=) '' THEN '00:00:30'::interval
+						ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END;
 				END IF;
-				-- every writer of the key holds its advisory lock, which we hold:
-				-- the version probed is the one to write (no row lock, which
-				-- would stay on the new version and look like a change in flight)
-				locked := p.tid;
-				IF kind OPERATOR(pg_catalog.=) 'finish' THEN
-					result := now OPERATOR(pg_catalog.+) COALESCE(p_interval, p.retention);
-					UPDATE idempotency.keys k
-					   SET status = p_status, response_code = p_code,
-						   response_body = p_body, finished_at = now,
-						   lease_until = NULL, expires_at = result,
-						   sweep_at = LEAST(p.sweep_at, result), owner_session = NULL
-					 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-				ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
-					result := now OPERATOR(pg_catalog.+) COALESCE(p_interval,
-						idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30'));
-					UPDATE idempotency.keys k
-					   SET lease_until = result,
-						   expires_at = GREATEST(now OPERATOR(pg_catalog.+) p.retention, result)
-					 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-				ELSIF kind OPERATOR(pg_catalog.=) 'release' THEN
-					DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-				ELSE
-					UPDATE idempotency.keys k
-					   SET phase = p_phase, phase_data = p_body
-					 WHERE k.ctid OPERATOR(pg_catalog.=) locked;
-				END IF;
-				GET DIAGNOSTICS n = ROW_COUNT;
-				IF n OPERATOR(pg_catalog.=) 1 THEN
-					wrote := true;
-				ELSIF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' OR
-					  gone OPERATOR(pg_catalog.>=) 100 THEN
-					RAISE EXCEPTION 'idempotency key changed during a write'
-						USING ERRCODE = '40001',
-							  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
-							  HINT = 'Retry the transaction.';
-				ELSE
-					-- The version probed was replaced by a change that
-					-- committed since (see _probe): read the key again.  The
-					-- statement locked the newest version while it looked for
-					-- ours: roll that lock back, or a sweep that waits for it
-					-- while it holds the key's lock would wait for us, and we
-					-- for it.
-					RAISE EXCEPTION 'version gone' USING ERRCODE = 'IDW03';
-				END IF;
+				result := now OPERATOR(pg_catalog.+) p_interval;
+				UPDATE idempotency.keys k
+				   SET lease_until = result,
+					   expires_at = GREATEST(now OPERATOR(pg_catalog.+) r.retention, result)
+				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
+			ELSIF kind OPERATOR(pg_catalog.=) 'release' THEN
+				DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
+			ELSE
+				UPDATE idempotency.keys k
+				   SET phase = p_phase, phase_data = p_body
+				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			END IF;
-		EXCEPTION
-			WHEN SQLSTATE 'IDW03' THEN
-				gone := gone OPERATOR(pg_catalog.+) 1;
-				result := NULL;
+			GET DIAGNOSTICS n = ROW_COUNT;
+			IF n OPERATOR(pg_catalog.<>) 1 THEN
+				RAISE EXCEPTION 'idempotency key changed during a write'
+					USING ERRCODE = '40001',
+						  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
+						  HINT = 'Retry the transaction.';
+			END IF;
+			wrote := true;
+			RETURN;
+		END IF;
+
+		-- Not locked: say why from the committed row, as a claim reads it.
+		disp := idempotency._key_display(p_scope, p_key);
+		SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
+		step := 'go';
+		row_held := false;
+		-- Another transaction is changing a key whose committed row is this
+		-- token's claim.  Without a dirty read the SQL edition cannot see the
+		-- new version, so it tells the change by the row lock it holds,
+		-- asked without waiting.  While the lease runs, only the token's
+		-- holder (an extend, checkpoint, finish or release made elsewhere), a
+		-- sweep moving sweep_at, or plain SQL changes the key: an update of
+		-- other columns than the key leaves the token current and is waited
+		-- for, as a row lock waits (so a deadlock is detected), and the key
+		-- is read again.  A delete (a release) or a plain row lock is not
+		-- waited for, and neither is any change once the lease has ended (it
+		-- may be a takeover): the call is refused (55P03 below).  The
+		-- probe's "busy" may be stale (that transaction has ended), so the
+		-- lock is asked of the row itself; a version that is gone by then
+		-- was replaced by a change that has committed: read again.
+		IF p.busy AND p.present AND p.status OPERATOR(pg_catalog.=) 'pending'
+		   AND p.token OPERATOR(pg_catalog.=) p_token
+		   AND p.expires_at OPERATOR(pg_catalog.>) now THEN
+			hold := idempotency._row_hold(p.tid);
+			IF hold OPERATOR(pg_catalog.=) 'gone' THEN
 				step := 'again';
-			WHEN lock_not_available THEN
-				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
+			ELSIF hold OPERATOR(pg_catalog.=) 'update'
+			   AND p.lease_until OPERATOR(pg_catalog.>) now
+			   AND (p.owner_session IS NULL OR idempotency._session_alive(p.owner_session)) THEN
+				step := 'wait';
+			ELSE
+				row_held := hold OPERATOR(pg_catalog.<>) 'free';
+			END IF;
+		END IF;
+		IF step OPERATOR(pg_catalog.=) 'go' THEN
+			-- what the committed row says is said whatever is in flight
+			IF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
+				RAISE EXCEPTION 'idempotency key % does not exist', disp
+					USING ERRCODE = 'P0002',
+						  DETAIL = 'It was never claimed, was released, or its retention has passed.';
+			END IF;
+			IF p.status OPERATOR(pg_catalog.<>) 'pending' THEN
+				IF kind OPERATOR(pg_catalog.=) 'finish' AND p.token OPERATOR(pg_catalog.=) p_token THEN
+					result := p.expires_at;
+					RETURN;
+				END IF;
+				RAISE EXCEPTION 'idempotency key % is already finished', disp
+					USING ERRCODE = '55000',
+						  DETAIL = CASE WHEN kind OPERATOR(pg_catalog.=) 'finish'
+							THEN 'Another attempt stored its result.'
+							ELSE pg_catalog.format('Its status is "%s".', p.status) END;
+			ELSIF p.token IS DISTINCT FROM p_token THEN
+				RAISE EXCEPTION 'token % is not the current token of idempotency key %', p_token, disp
+					USING ERRCODE = '55006',
+						  DETAIL = CASE WHEN p.token IS NOT NULL
+							THEN pg_catalog.format('Attempt %s holds the key now.', p.attempt)
+							ELSE 'The sweeper reset the key after its lease ended.' END,
+						  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
+			END IF;
+			-- the token is current, and another transaction holds the row
+			IF row_held THEN
 				RAISE EXCEPTION 'could not % idempotency key %', kind, disp
 					USING ERRCODE = '55P03',
 						  DETAIL = 'Another transaction holds a row lock on this key.',
 						  HINT = 'Retry once that transaction has ended.';
-			WHEN OTHERS OR query_canceled THEN
-				PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-				RAISE;
-		END;
-		PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-		EXIT WHEN step OPERATOR(pg_catalog.=) 'go';
+			END IF;
+			step := 'again';	-- the row changed between the two reads
+		END IF;
 		IF step OPERATOR(pg_catalog.=) 'wait' THEN
-			-- Wait as a row lock waits, so that a deadlock is detected.
-			-- The lock is held for an instant once the wait is over, and
-			-- another token call of the key may see it: FOR NO KEY UPDATE
-			-- reads there as an update and is waited for in turn, where
-			-- FOR SHARE would read as a plain row lock and refuse that
-			-- call.
+			-- Wait as a row lock waits, so that a deadlock is detected.  The
+			-- lock is held for an instant once the wait is over, and another
+			-- token call of the key may see it: FOR NO KEY UPDATE reads there
+			-- as an update and is waited for in turn, where FOR SHARE would
+			-- read as a plain row lock and refuse that call.
 			BEGIN
 				PERFORM FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) p.tid
 					FOR NO KEY UPDATE;
@@ -285,7 +274,33 @@ BEGIN
 				NULL;
 			END;
 		END IF;
+		rounds := rounds OPERATOR(pg_catalog.+) 1;
+		IF rounds OPERATOR(pg_catalog.>=) 100 THEN
+			RAISE EXCEPTION 'idempotency key changed during a write'
+				USING ERRCODE = '40001',
+					  DETAIL = 'Someone changed idempotency.keys outside the extension''s functions.',
+					  HINT = 'Retry the transaction.';
+		END IF;
 	END LOOP;
+END;
+$$;
+
+/*
+ * The arguments of a token call, checked in the C edition's order, inline
+ * where they are fine: a _check_* function runs only to raise its error.
+ */
+CREATE OR REPLACE FUNCTION idempotency._token_call_args(fn text, p_key text,
+	p_token bigint, p_scope text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	PERFORM idempotency._check_name(p_key, 'key', false);
+	PERFORM idempotency._check_name(p_scope, 'scope', true);
+	IF p_token IS NULL THEN
+		RAISE EXCEPTION 'token must not be null' USING ERRCODE = '22004';
+	END IF;
 END;
 $$;
 
@@ -298,10 +313,33 @@ CREATE OR REPLACE FUNCTION idempotency.idem_finish(
 	status			text		DEFAULT 'succeeded',
 	retention		interval	DEFAULT NULL)
 RETURNS timestamptz
-LANGUAGE sql VOLATILE PARALLEL UNSAFE
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-RETURN (SELECT w.result FROM idempotency._w_token_call(current_user, 'finish', key,
-	token, scope, response_code, response_body, status, retention, NULL) w);
+AS $$
+DECLARE
+	who name := idempotency._caller();
+BEGIN
+	IF key IS NULL OR token IS NULL OR scope IS NULL OR pg_catalog.octet_length(key) OPERATOR(pg_catalog.=) 0 OR
+	   pg_catalog.octet_length(key) OPERATOR(pg_catalog.>) 255 OR pg_catalog.octet_length(scope) OPERATOR(pg_catalog.>) 255 THEN
+		PERFORM idempotency._token_call_args('idem_finish()', key, token, scope);
+	END IF;
+	IF response_body IS NOT NULL AND
+	   pg_catalog.pg_column_size(response_body::text::jsonb) OPERATOR(pg_catalog.-) 4 OPERATOR(pg_catalog.>) idempotency._response_limit() THEN
+		PERFORM idempotency._check_body(response_body, 'response_body');
+	END IF;
+	IF status IS NULL OR (status OPERATOR(pg_catalog.<>) 'succeeded' AND status OPERATOR(pg_catalog.<>) 'failed') THEN
+		PERFORM idempotency._check_status(status);
+	END IF;
+	IF retention IS NOT NULL THEN
+		PERFORM idempotency._check_positive(retention, 'retention');
+	END IF;
+	IF pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean THEN
+		PERFORM idempotency._check_writable('idem_finish()');
+	END IF;
+	RETURN (idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'finish',
+		key, token, scope, response_code, response_body, status, retention, NULL)).result;
+END;
+$$;
 
 CREATE OR REPLACE FUNCTION idempotency.idem_extend(
 	key		text,
@@ -309,22 +347,35 @@ CREATE OR REPLACE FUNCTION idempotency.idem_extend(
 	lease	interval	DEFAULT NULL,
 	scope	text		DEFAULT '')
 RETURNS timestamptz
-LANGUAGE sql VOLATILE PARALLEL UNSAFE
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-RETURN (SELECT w.result FROM idempotency._w_token_call(current_user, 'extend', key,
-	token, scope, NULL, NULL, NULL, lease, NULL) w);
+AS $$
+DECLARE
+	who name := idempotency._caller();
+BEGIN
+	PERFORM idempotency._token_call_args('idem_extend()', key, token, scope);
+	PERFORM idempotency._check_positive(lease, 'lease');
+	PERFORM idempotency._check_writable('idem_extend()');
+	RETURN (idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'extend',
+		key, token, scope, NULL, NULL, NULL, lease, NULL)).result;
+END;
+$$;
 
 CREATE OR REPLACE FUNCTION idempotency.idem_release(
 	key		text,
 	token	bigint,
 	scope	text	DEFAULT '')
 RETURNS void
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+	who name := idempotency._caller();
 BEGIN
-	PERFORM idempotency._w_token_call(current_user, 'release', key, token, scope,
-		NULL, NULL, NULL, NULL, NULL);
+	PERFORM idempotency._token_call_args('idem_release()', key, token, scope);
+	PERFORM idempotency._check_writable('idem_release()');
+	PERFORM idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'release',
+		key, token, scope, NULL, NULL, NULL, NULL, NULL);
 END;
 $$;
 
@@ -340,12 +391,18 @@ CREATE OR REPLACE FUNCTION idempotency.idem_checkpoint(
 	data	jsonb	DEFAULT NULL,
 	scope	text	DEFAULT '')
 RETURNS void
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+	who name := idempotency._caller();
 BEGIN
-	PERFORM idempotency._w_token_call(current_user, 'checkpoint', key, token, scope,
-		NULL, data, NULL, NULL, phase);
+	PERFORM idempotency._token_call_args('idem_checkpoint()', key, token, scope);
+	PERFORM idempotency._check_name(phase, 'phase', false);
+	PERFORM idempotency._check_body(data, 'data');
+	PERFORM idempotency._check_writable('idem_checkpoint()');
+	PERFORM idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'checkpoint',
+		key, token, scope, NULL, data, NULL, NULL, phase);
 END;
 $$;
 
@@ -363,15 +420,18 @@ CREATE OR REPLACE FUNCTION idempotency.idem_finish_many(
 	status			text		DEFAULT 'succeeded',
 	retention		interval	DEFAULT NULL)
 RETURNS TABLE (ord integer, key text, expires_at timestamptz)
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 100
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 100 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+	who name := idempotency._caller();
+	role oid;
 	k text[];
 	t bigint[];
 	c integer[];
 	b jsonb[];
 	n integer;
+	lim bigint;
 	e_state text;
 	e_message text;
 	e_detail text;
@@ -394,13 +454,18 @@ BEGIN
 		PERFORM idempotency._check_batch_length(pg_catalog.cardinality(b), 'response_bodies', n);
 	END IF;
 	FOR i IN 1..n LOOP
-		PERFORM idempotency._check_name(k[i], pg_catalog.format('keys[%s]', i), false);
+		IF k[i] IS NULL OR pg_catalog.octet_length(k[i]) OPERATOR(pg_catalog.=) 0 OR
+		   pg_catalog.octet_length(k[i]) OPERATOR(pg_catalog.>) 255 THEN
+			PERFORM idempotency._check_name(k[i], pg_catalog.format('keys[%s]', i), false);
+		END IF;
 	END LOOP;
+	lim := idempotency._response_limit();
 	FOR i IN 1..n LOOP
 		IF t[i] IS NULL THEN
 			RAISE EXCEPTION 'tokens[%] must not be null', i USING ERRCODE = '22004';
 		END IF;
-		IF b IS NOT NULL THEN
+		IF b[i] IS NOT NULL AND
+		   pg_catalog.pg_column_size(b[i]::text::jsonb) OPERATOR(pg_catalog.-) 4 OPERATOR(pg_catalog.>) lim THEN
 			PERFORM idempotency._check_body(b[i], pg_catalog.format('response_bodies[%s]', i));
 		END IF;
 	END LOOP;
@@ -408,15 +473,15 @@ BEGIN
 	PERFORM idempotency._check_status(status);
 	PERFORM idempotency._check_positive(retention, 'retention');
 	PERFORM idempotency._check_writable('idem_finish_many()');
+	role := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
 	-- One block for the whole loop (a block per element would open a
 	-- subtransaction per key): the element that fails is in ord and key.
 	BEGIN
 		FOR i IN 1..n LOOP
 			ord := i;
 			key := k[i];
-			SELECT w.result INTO expires_at
-			  FROM idempotency._w_token_call(current_user, 'finish', k[i], t[i], scope,
-				   c[i], b[i], status, retention, NULL) w;
+			expires_at := (idempotency._token_call(who, role, 'finish', k[i], t[i], scope,
+				c[i], b[i], status, retention, NULL)).result;
 			RETURN NEXT;
 		END LOOP;
 	EXCEPTION WHEN OTHERS THEN

@@ -3,9 +3,10 @@
  * 45_sweep.sql
  *	  idem_sweep: expiring and resetting keys.
  *
- * Mirrors sweep.c: _sweep_one deletes, resets or reschedules one candidate
- * row version, skipping any that another transaction is changing or
- * locking, and idem_sweep runs one batch of each kind.  The SQL edition
+ * Mirrors sweep.c: idem_sweep locks a batch of candidate rows without
+ * waiting (skipping any that another transaction is changing or locking)
+ * and _sweep_rows deletes, resets or reschedules them, a statement of each
+ * kind for the whole batch.  The SQL edition
  * has no background worker (worker.c), so the application or pg_cron
  * calls idem_sweep.
  *
@@ -18,74 +19,86 @@
  */
 
 /*
- * Sweep one candidate row version "t" of (scope, key): skipped when its
- * lock is taken, when another transaction is changing or locking it, when
- * our own open transaction is claiming it, or when it changed since the
- * candidate query.  Returns 'expired', 'reset', 'rescheduled' or NULL.
- * "only_ended": a key of a session that ended that needs neither a delete
- * nor a reset is left alone.
+ * Sweep the row versions "tids" (candidates locked by the caller): delete
+ * those past their retention whose attempt does not run, reset pending
+ * ones whose attempt ended (their tokens die), at most "max_expire" and
+ * "max_reset"; with "reschedule", move the others' sweep_at to when they
+ * next need a look.  A pending key our own open transaction claimed is
+ * left alone.  Returns how many were expired, reset and rescheduled.
  */
-CREATE OR REPLACE FUNCTION idempotency._sweep_one(t tid, p_scope text, p_key text,
-	now timestamptz, do_expire boolean, do_reset boolean, only_ended boolean)
-RETURNS text
+CREATE OR REPLACE FUNCTION idempotency._sweep_rows(tids tid[], now timestamptz,
+	max_expire bigint, max_reset bigint, reschedule boolean,
+	OUT expired bigint, OUT reset bigint, OUT rescheduled bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-	h integer := idempotency._key_hash(p_scope, p_key);
-	p record;
+	c record;
 	runs boolean;
-	done text;
-	n bigint;
+	own boolean := pg_catalog.pg_current_xact_id_if_assigned() IS NOT NULL;
+	snap pg_snapshot;
+	x8 xid8;
+	del tid[] := '{}';
+	res tid[] := '{}';
+	later tid[] := '{}';
 BEGIN
-	IF NOT pg_catalog.pg_try_advisory_lock(idempotency._lock_class(), h) THEN
-		RETURN NULL;
+	expired := 0;
+	reset := 0;
+	rescheduled := 0;
+	IF own THEN
+		snap := pg_catalog.pg_current_snapshot();
 	END IF;
-	BEGIN
-		SELECT * INTO p FROM idempotency._probe(p_scope, p_key);
-		IF p.present AND NOT p.busy AND p.tid OPERATOR(pg_catalog.=) t
-		   AND NOT (p.mine AND p.status OPERATOR(pg_catalog.=) 'pending') THEN
-			runs := p.status OPERATOR(pg_catalog.=) 'pending' AND p.token IS NOT NULL AND
-				p.lease_until OPERATOR(pg_catalog.>) now AND
-				(p.owner_session IS NULL OR idempotency._session_alive(p.owner_session));
-			IF p.expires_at OPERATOR(pg_catalog.<=) now AND NOT runs THEN
-				IF do_expire THEN
-					DELETE FROM idempotency.keys k
-					 WHERE k.ctid OPERATOR(pg_catalog.=) t;
-					GET DIAGNOSTICS n = ROW_COUNT;
-					done := 'expired';
-				END IF;
-			ELSIF p.status OPERATOR(pg_catalog.=) 'pending' AND p.token IS NOT NULL AND NOT runs THEN
-				IF do_reset THEN
-					UPDATE idempotency.keys k
-					   SET token = NULL, sweep_at = p.expires_at, owner_session = NULL
-					 WHERE k.ctid OPERATOR(pg_catalog.=) t;
-					GET DIAGNOSTICS n = ROW_COUNT;
-					done := 'reset';
-				END IF;
-			ELSIF NOT only_ended THEN
-				UPDATE idempotency.keys k
-				   SET sweep_at = CASE WHEN runs THEN p.lease_until ELSE p.expires_at END
-				 WHERE k.ctid OPERATOR(pg_catalog.=) t;
-				GET DIAGNOSTICS n = ROW_COUNT;
-				done := 'rescheduled';
-			END IF;
-			IF n OPERATOR(pg_catalog.=) 0 THEN
-				-- the version was replaced by a change that committed since
-				-- the probe: skipped, and the lock the statement took on the
-				-- newest version while it looked for ours is rolled back
-				RAISE EXCEPTION 'version gone' USING ERRCODE = 'IDW03';
-			END IF;
+	FOR c IN
+		SELECT k.ctid AS tid, k.xmin AS xmin_, k.status, k.token, k.lease_until,
+			   k.expires_at, k.owner_session
+		  FROM idempotency.keys k
+		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (tids)
+	LOOP
+		IF own AND c.status OPERATOR(pg_catalog.=) 'pending' THEN
+			-- a version a running transaction wrote and we see is ours
+			x8 := idempotency._xid8(c.xmin_, snap);
+			CONTINUE WHEN x8 IS NOT NULL AND
+				pg_catalog.pg_xact_status(x8) OPERATOR(pg_catalog.=) 'in progress';
 		END IF;
-	EXCEPTION
-		WHEN serialization_failure OR SQLSTATE 'IDW03' THEN
-			done := NULL;		-- changed since our snapshot: skipped
-		WHEN OTHERS OR query_canceled THEN
-			PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-			RAISE;
-	END;
-	PERFORM pg_catalog.pg_advisory_unlock(idempotency._lock_class(), h);
-	RETURN done;
+		runs := c.status OPERATOR(pg_catalog.=) 'pending' AND c.token IS NOT NULL AND
+			c.lease_until OPERATOR(pg_catalog.>) now AND
+			(c.owner_session IS NULL OR idempotency._session_alive(c.owner_session));
+		IF c.expires_at OPERATOR(pg_catalog.<=) now AND NOT runs THEN
+			IF expired OPERATOR(pg_catalog.<) max_expire THEN
+				del := del OPERATOR(pg_catalog.||) c.tid;
+				expired := expired OPERATOR(pg_catalog.+) 1;
+			END IF;
+		ELSIF c.status OPERATOR(pg_catalog.=) 'pending' AND c.token IS NOT NULL AND NOT runs THEN
+			IF reset OPERATOR(pg_catalog.<) max_reset THEN
+				res := res OPERATOR(pg_catalog.||) c.tid;
+				reset := reset OPERATOR(pg_catalog.+) 1;
+			END IF;
+		ELSIF reschedule THEN
+			later := later OPERATOR(pg_catalog.||) c.tid;
+		END IF;
+	END LOOP;
+	-- A row a trigger or rule keeps from being written (a BEFORE trigger
+	-- that returns NULL) is not counted.
+	IF pg_catalog.cardinality(del) OPERATOR(pg_catalog.>) 0 THEN
+		DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) ANY (del);
+		GET DIAGNOSTICS expired = ROW_COUNT;
+	END IF;
+	IF pg_catalog.cardinality(res) OPERATOR(pg_catalog.>) 0 THEN
+		UPDATE idempotency.keys k
+		   SET token = NULL, sweep_at = k.expires_at, owner_session = NULL
+		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (res);
+		GET DIAGNOSTICS reset = ROW_COUNT;
+	END IF;
+	-- (a pending key in "later" whose lease runs has a live owner: a dead
+	-- one's key was reset above)
+	IF pg_catalog.cardinality(later) OPERATOR(pg_catalog.>) 0 THEN
+		UPDATE idempotency.keys k
+		   SET sweep_at = CASE WHEN k.status OPERATOR(pg_catalog.=) 'pending' AND k.token IS NOT NULL
+								AND k.lease_until OPERATOR(pg_catalog.>) now
+							   THEN k.lease_until ELSE k.expires_at END
+		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (later);
+		GET DIAGNOSTICS rescheduled = ROW_COUNT;
+	END IF;
 END;
 $$;
 
@@ -93,7 +106,8 @@ $$;
  * Delete keys past their retention and reset pending keys whose lease
  * ended (or whose session ended), at most batch_size of each kind; keys
  * found before their time are rescheduled on the way.  Never waits: rows
- * that others are changing or locking are skipped.
+ * that others are changing or locking are skipped (FOR NO KEY UPDATE SKIP
+ * LOCKED, which also reads the newest committed version of each).
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_sweep(
 	batch_size	integer	DEFAULT NULL)
@@ -102,14 +116,14 @@ LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 1 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-	batch integer;
+	batch bigint;
 	now timestamptz;
-	c record;
-	done text;
-	progress integer;
-	n integer;
-	last_owner bigint;
-	last_alive boolean;
+	verdict integer;
+	tids tid[];
+	w record;
+	n bigint;
+	owners bigint[];
+	dead bigint[];
 BEGIN
 	IF batch_size IS NOT NULL AND batch_size OPERATOR(pg_catalog.<=) 0 THEN
 		RAISE EXCEPTION 'batch_size must be positive' USING ERRCODE = '22023';
@@ -117,56 +131,47 @@ BEGIN
 	batch := COALESCE(batch_size,
 		idempotency._guc_bytes('idempotency.sweep_batch', 1000)::integer);
 	PERFORM idempotency._check_writable('idem_sweep()');
-	PERFORM idempotency._check_catalog();
+	-- the store's verdict, cached in this query's plan (see _store_verdict)
+	SELECT v.verdict INTO verdict
+	  FROM (SELECT idempotency._store_verdict() AS verdict,
+				   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
+	  LEFT JOIN idempotency.keys k ON false;
+	IF verdict OPERATOR(pg_catalog.<>) 0 THEN
+		PERFORM idempotency._refuse_write(verdict);
+	END IF;
 	now := pg_catalog.clock_timestamp();
 	expired := 0;
 	reset := 0;
 	LOOP
-		progress := 0;
-		n := 0;
-		FOR c IN
-			SELECT k.ctid AS t, k.scope, k.key FROM idempotency.keys k
-			 WHERE k.sweep_at OPERATOR(pg_catalog.<=) now
-			 ORDER BY k.sweep_at
-			 LIMIT LEAST(batch::bigint OPERATOR(pg_catalog.*) 2, 2147483647)
-		LOOP
-			n := n OPERATOR(pg_catalog.+) 1;
-			EXIT WHEN expired OPERATOR(pg_catalog.>=) batch OR reset OPERATOR(pg_catalog.>=) batch;
-			done := idempotency._sweep_one(c.t, c.scope, c.key, now,
-				expired OPERATOR(pg_catalog.<) batch, reset OPERATOR(pg_catalog.<) batch, false);
-			IF done IS NOT NULL THEN
-				progress := progress OPERATOR(pg_catalog.+) 1;
-			END IF;
-			IF done OPERATOR(pg_catalog.=) 'expired' THEN
-				expired := expired OPERATOR(pg_catalog.+) 1;
-			ELSIF done OPERATOR(pg_catalog.=) 'reset' THEN
-				reset := reset OPERATOR(pg_catalog.+) 1;
-			END IF;
-		END LOOP;
-		EXIT WHEN n OPERATOR(pg_catalog.<) LEAST(batch::bigint OPERATOR(pg_catalog.*) 2, 2147483647)
-			OR progress OPERATOR(pg_catalog.=) 0
+		n := LEAST(batch OPERATOR(pg_catalog.*) 2, 2147483647);
+		tids := ARRAY(SELECT k.ctid FROM idempotency.keys k
+					   WHERE k.sweep_at OPERATOR(pg_catalog.<=) now
+					   ORDER BY k.sweep_at
+					   LIMIT n
+					   FOR NO KEY UPDATE SKIP LOCKED);
+		w := idempotency._sweep_rows(tids, now, batch OPERATOR(pg_catalog.-) expired,
+			batch OPERATOR(pg_catalog.-) reset, true);
+		expired := expired OPERATOR(pg_catalog.+) w.expired;
+		reset := reset OPERATOR(pg_catalog.+) w.reset;
+		EXIT WHEN pg_catalog.cardinality(tids) OPERATOR(pg_catalog.<) n
+			OR w.expired OPERATOR(pg_catalog.+) w.reset OPERATOR(pg_catalog.+) w.rescheduled OPERATOR(pg_catalog.=) 0
 			OR expired OPERATOR(pg_catalog.>=) batch OR reset OPERATOR(pg_catalog.>=) batch;
 	END LOOP;
 	-- the keys of sessions that ended: found through keys_owner_session_idx
 	IF expired OPERATOR(pg_catalog.<) batch AND reset OPERATOR(pg_catalog.<) batch THEN
-		FOR c IN
-			SELECT k.ctid AS t, k.scope, k.key, k.owner_session FROM idempotency.keys k
-			 WHERE k.owner_session IS NOT NULL
-			 ORDER BY k.owner_session
-		LOOP
-			IF c.owner_session IS DISTINCT FROM last_owner THEN
-				last_owner := c.owner_session;
-				last_alive := idempotency._session_alive(last_owner);
-			END IF;
-			CONTINUE WHEN last_alive;
-			EXIT WHEN expired OPERATOR(pg_catalog.>=) batch OR reset OPERATOR(pg_catalog.>=) batch;
-			done := idempotency._sweep_one(c.t, c.scope, c.key, now, true, true, true);
-			IF done OPERATOR(pg_catalog.=) 'expired' THEN
-				expired := expired OPERATOR(pg_catalog.+) 1;
-			ELSIF done OPERATOR(pg_catalog.=) 'reset' THEN
-				reset := reset OPERATOR(pg_catalog.+) 1;
-			END IF;
-		END LOOP;
+		owners := ARRAY(SELECT DISTINCT k.owner_session FROM idempotency.keys k
+						 WHERE k.owner_session IS NOT NULL);
+		dead := ARRAY(SELECT o FROM pg_catalog.unnest(owners) o
+					   WHERE NOT idempotency._session_alive(o));
+		IF pg_catalog.cardinality(dead) OPERATOR(pg_catalog.>) 0 THEN
+			tids := ARRAY(SELECT k.ctid FROM idempotency.keys k
+						   WHERE k.owner_session OPERATOR(pg_catalog.=) ANY (dead)
+						   FOR NO KEY UPDATE SKIP LOCKED);
+			w := idempotency._sweep_rows(tids, now, batch OPERATOR(pg_catalog.-) expired,
+				batch OPERATOR(pg_catalog.-) reset, false);
+			expired := expired OPERATOR(pg_catalog.+) w.expired;
+			reset := reset OPERATOR(pg_catalog.+) w.reset;
+		END IF;
 	END IF;
 	RETURN NEXT;
 END;

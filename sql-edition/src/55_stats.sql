@@ -6,7 +6,7 @@
  * Mirrors stats.c, and row.c's key counts: the call counters live in the
  * C edition's shared memory, which the SQL edition has none of, so
  * stats_counters returns no row and the view's counters are NULL; the key
- * counts (_w_stats_key_counts) are real, exact below stats_exact_limit
+ * counts (stats_key_counts) are real, exact below stats_exact_limit
  * and estimated above it.
  *
  *-------------------------------------------------------------------------
@@ -54,15 +54,16 @@ REVOKE ALL ON FUNCTION idempotency.stats_reset() FROM PUBLIC;
  * estimated from the planner's statistics above.  Only for a role that may
  * read the stats view.
  */
-CREATE OR REPLACE FUNCTION idempotency._w_stats_key_counts(caller name,
+CREATE OR REPLACE FUNCTION idempotency.stats_key_counts(
 	OUT pending bigint, OUT succeeded bigint, OUT failed bigint,
 	OUT exact boolean)
 RETURNS record
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+LANGUAGE plpgsql VOLATILE PARALLEL SAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-	lim bigint := idempotency._guc_bytes('idempotency.stats_exact_limit', 1024, true);
+	caller name := idempotency._caller();
+	lim bigint := idempotency._guc_bytes('idempotency.stats_exact_limit', 1024, true, true);
 	blocks bigint;
 	tuples double precision;
 	pages double precision;
@@ -109,16 +110,6 @@ BEGIN
 		END CASE;
 	END LOOP;
 END;
-$$;
-
-CREATE OR REPLACE FUNCTION idempotency.stats_key_counts(
-	OUT pending bigint, OUT succeeded bigint, OUT failed bigint,
-	OUT exact boolean)
-RETURNS record
-LANGUAGE sql VOLATILE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $$
-	SELECT * FROM idempotency._w_stats_key_counts(current_user);
 $$;
 
 CREATE OR REPLACE VIEW idempotency.stats AS
