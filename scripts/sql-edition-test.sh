@@ -158,22 +158,34 @@ conf=("idempotency.sweep_interval = 0")
 cluster_start "$work/cluster" "$port" "${conf[@]}" >/dev/null
 host=$(cluster_host "$work/cluster")
 db=contrib_regression
+# The SQL edition is installed as a platform installs it: by an admin role
+# that is no superuser (CREATEROLE, owner of the database, pgtle_admin
+# under pg_tle), as RDS's rds_superuser or Supabase's postgres; the tests
+# then call it as the superuser and as the roles they create.  It reads
+# other sessions' activity (pg_read_all_stats), as those admin roles do,
+# for session-bound claims.
+admin=idem_admin
+cluster_psql "$work/cluster" -q -v ON_ERROR_STOP=1 \
+	-c "CREATE ROLE $admin LOGIN CREATEROLE NOSUPERUSER" \
+	-c "GRANT pg_read_all_stats TO $admin" >/dev/null
 if [[ $mode == pgtle ]]; then
 	# pg_tle registers extensions per database: register idempotency in
 	# template1, so that the databases tests create can CREATE EXTENSION it
 	{
 		cluster_psql "$work/cluster" -d template1 -q -v ON_ERROR_STOP=1 -c "CREATE EXTENSION pg_tle" &&
-		cluster_psql "$work/cluster" -d template1 -q -v ON_ERROR_STOP=1 -f "$work/dist/idempotency-pgtle.sql"
+		cluster_psql "$work/cluster" -q -v ON_ERROR_STOP=1 -c "GRANT pgtle_admin TO $admin" &&
+		cluster_psql "$work/cluster" -d template1 -U "$admin" -q -v ON_ERROR_STOP=1 \
+			-f "$work/dist/idempotency-pgtle.sql"
 	} >"$work/install.log" 2>&1 || { cat "$work/install.log" >&2; exit 2; }
 fi
-cluster_psql "$work/cluster" -q -c "CREATE DATABASE $db" >/dev/null
+cluster_psql "$work/cluster" -q -c "CREATE DATABASE $db OWNER $admin" >/dev/null
 if [[ $mode == plain ]]; then
-	cluster_psql "$work/cluster" -d "$db" -q -v ON_ERROR_STOP=1 \
+	cluster_psql "$work/cluster" -d "$db" -U "$admin" -q -v ON_ERROR_STOP=1 \
 		-f "$work/dist/idempotency-plain.sql" >"$work/install.log" 2>&1 ||
 		{ cat "$work/install.log" >&2; exit 2; }
 else
 	{
-		cluster_psql "$work/cluster" -d "$db" -q -v ON_ERROR_STOP=1 -c "CREATE EXTENSION idempotency"
+		cluster_psql "$work/cluster" -d "$db" -U "$admin" -q -v ON_ERROR_STOP=1 -c "CREATE EXTENSION idempotency"
 	} >"$work/install.log" 2>&1 || { cat "$work/install.log" >&2; exit 2; }
 fi
 

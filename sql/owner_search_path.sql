@@ -17,6 +17,9 @@ CREATE SCHEMA regress_idem_mallory AUTHORIZATION regress_idem_mallory;
 
 -- the DBA's audit trigger: unqualified now(), qualified table
 CREATE TABLE public.keys_audit (at timestamptz, key text, who text);
+-- the table's triggers and rules write here with its owner's rights
+DO $$ BEGIN EXECUTE format('GRANT SELECT, INSERT ON public.keys_audit TO %s', (SELECT c.relowner::regrole FROM pg_class c
+    WHERE c.oid = 'idempotency.keys'::regclass)); END $$;
 CREATE FUNCTION public.keys_audit_row() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
 	INSERT INTO public.keys_audit VALUES (now(), NEW.key, current_user);

@@ -36,6 +36,9 @@ CREATE TABLE wr_snap (scope text, stage text, key text, status text, token bigin
 CREATE TABLE wr_sweeps (scope text, stage text, expired bigint, reset bigint);
 CREATE TABLE wr_log (n serial, scope text, stage text, op text, key text,
 	status text, attempt int, changed text);
+-- the table's triggers and rules write here with its owner's rights
+DO $$ BEGIN EXECUTE format('GRANT SELECT, INSERT ON wr_log TO %1$s; GRANT USAGE ON SEQUENCE wr_log_n_seq TO %1$s', (SELECT c.relowner::regrole FROM pg_class c
+    WHERE c.oid = 'idempotency.keys'::regclass)); END $$;
 
 -- the stored rows of a scope now
 CREATE FUNCTION pg_temp.snap(p_scope text, p_stage text) RETURNS void

@@ -7,14 +7,17 @@
 # The SQL edition's code is its SQL, so each release is a version of its own
 # (sql-edition/versions; a released version's script is frozen as
 # sql-edition/idempotency--VERSION.sql).  For each released version:
-#   - it is installed as that release did: through pg_tle, that version's
+#   - it is installed as that release did, by the admin role a platform
+#     gives its users ($SQL_ADMIN: no superuser, owner of the database,
+#     pgtle_admin under pg_tle): through pg_tle, that version's
 #     scripts registered (with the update paths between them) and CREATE
 #     EXTENSION idempotency VERSION; plain, its script run into schema
 #     idempotency;
 #   - keys in every state are stored: finished with a response, failed,
 #     pending under a live lease, pending with an ended lease, at a
 #     recovery point, and a batch claimed and finished together;
-#   - the newest installer runs over it (through pg_tle it registers only
+#   - the newest installer runs over it, run by the same role (through
+#     pg_tle it registers only
 #     what is new, then ALTER EXTENSION idempotency UPDATE; plain, it
 #     replaces the functions in place), and runs again without error;
 #   - nothing stored changed: every row in the same place (ctid, xmin) with
@@ -73,8 +76,16 @@ sub update_of
 }
 
 my $node = new_node('sqlupdate', port => 55478);
+IdemTest::sql_admin($node);
 
 sub sql { my ($db, $sql) = @_; return $node->safe_psql($db, $sql); }
+
+# As the installing role.
+sub as_admin
+{
+	my ($db, $sql) = @_;
+	return $node->safe_psql($db, $sql, extra_params => [ '-U', $SQL_ADMIN ]);
+}
 
 my $pgtle = $IdemTest::EDITION eq 'pgtle';
 
@@ -86,7 +97,7 @@ my $q = '$_idempotency_update_test_$';
 sub install_released
 {
 	my ($db, $v) = @_;
-	sql('postgres', "CREATE DATABASE $db TEMPLATE template0");
+	sql('postgres', "CREATE DATABASE $db TEMPLATE template0 OWNER $SQL_ADMIN");
 	if ($pgtle)
 	{
 		# the versions up to $v, each registered, and the update paths
@@ -97,7 +108,8 @@ sub install_released
 			push @upto, $r;
 			last if $r eq $v;
 		}
-		my $reg = "SET log_statement = 'none';\nCREATE EXTENSION pg_tle;\n";
+		sql($db, "CREATE EXTENSION pg_tle");
+		my $reg = "SET log_statement = 'none';\n";
 		for my $i (0 .. $#upto)
 		{
 			my $text = script_of($upto[$i]);
@@ -110,12 +122,12 @@ sub install_released
 			  . "$q);\n";
 		}
 		$reg .= "SELECT pgtle.set_default_version('idempotency', '$v');\n";
-		sql($db, $reg);
-		sql($db, "CREATE EXTENSION idempotency VERSION '$v'");
+		as_admin($db, $reg);
+		as_admin($db, "CREATE EXTENSION idempotency VERSION '$v'");
 	}
 	else
 	{
-		sql($db,
+		as_admin($db,
 			"SET log_statement = 'none';\nBEGIN;\nCREATE SCHEMA idempotency;\n"
 			  . script_of($v) . "\nCOMMIT;");
 	}
@@ -127,18 +139,16 @@ sub install_released
 sub install_newest
 {
 	my ($db) = @_;
-	sql($db, "SET log_statement = 'none';\n" . IdemTest::installer_sql());
-	sql($db, 'ALTER EXTENSION idempotency UPDATE') if $pgtle;
+	as_admin($db, "SET log_statement = 'none';\n" . IdemTest::installer_sql());
+	as_admin($db, 'ALTER EXTENSION idempotency UPDATE') if $pgtle;
 	return;
 }
 
 # A fresh install of the newest version, to compare catalogs with.
-sql('postgres', 'CREATE DATABASE fresh TEMPLATE template0');
-sql('fresh',
-	"SET log_statement = 'none';\n"
-	  . ($pgtle ? "CREATE EXTENSION pg_tle;\n" : '')
-	  . IdemTest::installer_sql());
-sql('fresh', 'CREATE EXTENSION idempotency') if $pgtle;
+sql('postgres', "CREATE DATABASE fresh TEMPLATE template0 OWNER $SQL_ADMIN");
+sql('fresh', 'CREATE EXTENSION pg_tle') if $pgtle;
+as_admin('fresh', "SET log_statement = 'none';\n" . IdemTest::installer_sql());
+as_admin('fresh', 'CREATE EXTENSION idempotency') if $pgtle;
 
 # Every function of schema idempotency: definition, owner and privileges.
 my $schema_functions_sql =

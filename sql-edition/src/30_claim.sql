@@ -154,6 +154,14 @@ BEGIN
 			PERFORM idempotency._refuse_write(r.verdict);
 		END IF;
 		owner := CASE WHEN p_session_bound THEN idempotency._session_binding() END;
+		IF p_session_bound AND owner IS NULL THEN
+			-- the functions' owner cannot see this backend's start: a binding
+			-- that no one could check later would bind nothing
+			RAISE EXCEPTION 'cannot bind a claim to this session'
+				USING ERRCODE = '42501',
+					  DETAIL = pg_catalog.format('Role "%s", which owns the idempotency functions, cannot read this session''s row of pg_stat_activity.', current_user),
+					  HINT = 'GRANT pg_read_all_stats TO that role, or claim without session_bound.';
+		END IF;
 		lease := p_lease;
 		IF lease IS NULL THEN
 			setting := pg_catalog.current_setting('idempotency.lease', true);

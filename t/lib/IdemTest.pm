@@ -25,7 +25,7 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 
 our @EXPORT = qw(
-  $EDITION sql_edition skip_sql_edition install_extension drop_extension
+  $EDITION $SQL_ADMIN sql_edition skip_sql_edition install_extension drop_extension
   $CLAIM_WAITING
   new_node new_standby alter_system stop_sweeping
   sql_result sqlstate_of
@@ -80,6 +80,11 @@ sub skip_sql_edition
 # pg_tle, which new_node registered in template1 and postgres), or the
 # plain installer.  Options: version => a version for CREATE EXTENSION;
 # user => the role that runs it (as psql -U).
+#
+# The SQL edition is installed as a platform installs it: by the admin
+# role $SQL_ADMIN, which is no superuser (CREATEROLE, owner of the
+# database, and pgtle_admin under pg_tle, as RDS's rds_superuser or
+# Supabase's postgres), so that its functions run with that role's rights.
 sub install_extension
 {
 	my ($node, $db, %opt) = @_;
@@ -91,8 +96,36 @@ sub install_extension
 	  ? "SET log_statement = 'none';\n" . installer_sql()
 	  : 'CREATE EXTENSION idempotency'
 	  . (defined $opt{version} ? " VERSION '$opt{version}'" : '');
-	$node->safe_psql($db, $sql,
-		$opt{user} ? (extra_params => [ '-U', $opt{user} ]) : ());
+	my $user = $opt{user};
+	if (sql_edition() && !defined $user)
+	{
+		sql_admin($node);
+		$node->safe_psql($db, qq{ALTER DATABASE "$db" OWNER TO $SQL_ADMIN});
+		$user = $SQL_ADMIN;
+	}
+	$node->safe_psql($db, $sql, $user ? (extra_params => [ '-U', $user ]) : ());
+	return;
+}
+
+# The SQL edition's installing role: no superuser, CREATEROLE, a member of
+# pg_read_all_stats (it reads other sessions' activity for session-bound
+# claims, as the platforms' admin roles may), and under pg_tle of
+# pgtle_admin (created on first use in $node).
+our $SQL_ADMIN = 'idem_admin';
+
+sub sql_admin
+{
+	my ($node) = @_;
+	$node->safe_psql('postgres', qq{
+		DO \$\$ BEGIN
+			IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '$SQL_ADMIN') THEN
+				CREATE ROLE $SQL_ADMIN LOGIN CREATEROLE NOSUPERUSER;
+				GRANT pg_read_all_stats TO $SQL_ADMIN;
+			END IF;
+			IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'pgtle_admin') THEN
+				GRANT pgtle_admin TO $SQL_ADMIN;
+			END IF;
+		END \$\$;});
 	return;
 }
 
@@ -110,11 +143,14 @@ sub drop_extension
 
 # A condition on a pg_stat_activity row: its backend sleeps in a claim's
 # wait.  The C edition sleeps on its latch (wait event type Extension) until
-# it is woken; the SQL edition polls in pg_sleep (wait event PgSleep).
+# it is woken; the SQL edition waits for a holder's open transaction as a
+# lock waits (on its row lock, or in its insert's unique check: wait event
+# type Lock) and polls a claim that committed in pg_sleep (wait event
+# PgSleep).
 our $CLAIM_WAITING =
   $EDITION eq 'c'
   ? "wait_event_type = 'Extension'"
-  : "wait_event = 'PgSleep'";
+  : "(wait_event = 'PgSleep' OR wait_event_type = 'Lock')";
 
 # A new node, initialized, configured and started.  Options:
 #   port      => the port (it only names the Unix socket file);
@@ -148,8 +184,12 @@ sub new_node
 	$node->start;
 	if ($EDITION eq 'pgtle')
 	{
-		$node->safe_psql($_,
-			"SET log_statement = 'none';\nCREATE EXTENSION pg_tle;\n" . installer_sql())
+		# the platform's superuser creates pg_tle; its admin registers the
+		# extension
+		$node->safe_psql($_, "CREATE EXTENSION pg_tle") for qw(template1 postgres);
+		sql_admin($node);
+		$node->safe_psql($_, "SET log_statement = 'none';\n" . installer_sql(),
+			extra_params => [ '-U', $SQL_ADMIN ])
 		  for qw(template1 postgres);
 	}
 	install_extension($node, 'postgres') if $opt{extension};
