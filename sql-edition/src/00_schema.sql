@@ -26,13 +26,15 @@
  * drops a key.  See sql-edition/README.md for how each function maps onto
  * the C edition's source and for the differences between the editions.
  *
- * Conventions: every function sets search_path = pg_catalog, pg_temp and
- * names every object with its schema.  The client functions run as their
- * caller (current_user is the role the tenant bindings are checked for);
- * the table is read and written only inside the SECURITY DEFINER workers
- * (the functions whose names start with "_w_"), where the C edition
- * switches to the table's owner.  Helpers whose names start with "_" are
- * no API.
+ * Conventions: every function names every object and operator with its
+ * schema, and every function a caller can reach sets search_path =
+ * pg_catalog, pg_temp.  The API functions run with their owner's rights
+ * (SECURITY DEFINER), which is where the C edition switches to the
+ * table's owner, and check the tenant binding of the role the session
+ * acts as (_caller), never of a role named in an argument.  Helpers,
+ * whose names start with "_", are no API: PUBLIC may execute none of
+ * them (70_privileges.sql), and the two on every call's path (_claim_key,
+ * _token_call) leave the settings to the API function that runs them.
  */
 
 /*

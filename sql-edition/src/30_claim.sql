@@ -42,7 +42,10 @@
  * the row, 'insert' when it inserts the key, NULL for a claim that
  * committed), whether this transaction holds the claim itself ("held"),
  * until when the lease runs, and the WAL position the token needs flushed
- * before it leaves ("token_lsn").
+ * before it leaves ("token_lsn").  It has no SET clause of its own (each
+ * costs every call a settings change): it runs only inside idem_claim and
+ * idem_claim_many, which pin search_path and the plan cache mode, and
+ * names every object with its schema like every function here.
  */
 CREATE OR REPLACE FUNCTION idempotency._claim_key(p_who name, p_role oid,
 	p_key text, p_fp bytea, p_scope text, p_lease interval,
@@ -53,8 +56,6 @@ CREATE OR REPLACE FUNCTION idempotency._claim_key(p_who name, p_role oid,
 	OUT busy text, OUT held boolean, OUT lease_until timestamptz,
 	OUT token_lsn pg_lsn)
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	r record;
@@ -348,6 +349,7 @@ CREATE OR REPLACE FUNCTION idempotency.idem_claim(
 RETURNS SETOF idempotency.claim_result
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 1 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();
@@ -454,6 +456,7 @@ RETURNS TABLE (ord integer, key text, outcome text, token bigint,
 			   phase_data jsonb)
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 100 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();

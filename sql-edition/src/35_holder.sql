@@ -96,15 +96,15 @@ $do$;
  * 55P03, or a wait while the lease runs, see below), and no row stays
  * locked.  Returns the key's expiry (finish), the new lease end (extend),
  * or NULL.  A finish repeated with the token that finished the key answers
- * that finish's expiry and writes nothing.
+ * that finish's expiry and writes nothing.  No SET clause of its own: it
+ * runs only inside the API functions, which pin search_path and the plan
+ * cache mode (see _claim_key).
  */
 CREATE OR REPLACE FUNCTION idempotency._token_call(p_who name, p_role oid, kind text,
 	p_key text, p_token bigint, p_scope text, p_code integer, p_body jsonb,
 	p_status text, p_interval interval, p_phase text,
 	OUT result timestamptz, OUT wrote boolean)
 LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	now timestamptz;
@@ -315,6 +315,7 @@ CREATE OR REPLACE FUNCTION idempotency.idem_finish(
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();
@@ -349,6 +350,7 @@ CREATE OR REPLACE FUNCTION idempotency.idem_extend(
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();
@@ -368,6 +370,7 @@ CREATE OR REPLACE FUNCTION idempotency.idem_release(
 RETURNS void
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();
@@ -393,6 +396,7 @@ CREATE OR REPLACE FUNCTION idempotency.idem_checkpoint(
 RETURNS void
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();
@@ -422,6 +426,7 @@ CREATE OR REPLACE FUNCTION idempotency.idem_finish_many(
 RETURNS TABLE (ord integer, key text, expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 100 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();
