@@ -75,6 +75,12 @@ sub skip_sql_edition
 	return;
 }
 
+# The SQL edition's installing role: no superuser, CREATEROLE, a member of
+# pg_read_all_stats (it reads other sessions' activity for session-bound
+# claims, as the platforms' admin roles may), and under pg_tle of
+# pgtle_admin (created on first use in $node).
+our $SQL_ADMIN = 'idem_admin';
+
 # Install the extension in database $db of $node, as the edition does:
 # CREATE EXTENSION idempotency (the C edition, and the SQL edition through
 # pg_tle, which new_node registered in template1 and postgres), or the
@@ -107,11 +113,6 @@ sub install_extension
 	return;
 }
 
-# The SQL edition's installing role: no superuser, CREATEROLE, a member of
-# pg_read_all_stats (it reads other sessions' activity for session-bound
-# claims, as the platforms' admin roles may), and under pg_tle of
-# pgtle_admin (created on first use in $node).
-our $SQL_ADMIN = 'idem_admin';
 
 sub sql_admin
 {
