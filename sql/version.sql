@@ -5,7 +5,7 @@
 -- its own: there the two are equal)
 --
 SELECT idempotency.idem_version();
-SELECT idempotency.idem_version() = '1.6.4' AS is_1_6_4;
+SELECT idempotency.idem_version() = '1.6.5' AS is_1_6_5;
 SELECT extversion IN (idempotency.idem_version(),
                       substring(idempotency.idem_version() from '^[0-9]+\.[0-9]+')) AS names_extversion
   FROM pg_extension WHERE extname = 'idempotency';
