@@ -109,7 +109,7 @@ sub install_released
 			last if $r eq $v;
 		}
 		sql($db, "CREATE EXTENSION pg_tle");
-		my $reg = "SET log_statement = 'none';\n";
+		my $reg = '';
 		for my $i (0 .. $#upto)
 		{
 			my $text = script_of($upto[$i]);
@@ -128,7 +128,7 @@ sub install_released
 	else
 	{
 		as_admin($db,
-			"SET log_statement = 'none';\nBEGIN;\nCREATE SCHEMA idempotency;\n"
+			"BEGIN;\nCREATE SCHEMA idempotency;\n"
 			  . script_of($v) . "\nCOMMIT;");
 	}
 	return;
@@ -139,7 +139,7 @@ sub install_released
 sub install_newest
 {
 	my ($db) = @_;
-	as_admin($db, "SET log_statement = 'none';\n" . IdemTest::installer_sql());
+	as_admin($db, IdemTest::installer_sql());
 	as_admin($db, 'ALTER EXTENSION idempotency UPDATE') if $pgtle;
 	return;
 }
@@ -147,7 +147,7 @@ sub install_newest
 # A fresh install of the newest version, to compare catalogs with.
 sql('postgres', "CREATE DATABASE fresh TEMPLATE template0 OWNER $SQL_ADMIN");
 sql('fresh', 'CREATE EXTENSION pg_tle') if $pgtle;
-as_admin('fresh', "SET log_statement = 'none';\n" . IdemTest::installer_sql());
+as_admin('fresh', IdemTest::installer_sql());
 as_admin('fresh', 'CREATE EXTENSION idempotency') if $pgtle;
 
 # Every function of schema idempotency: definition, owner and privileges.

@@ -49,6 +49,16 @@ BEGIN
 END;
 $$;
 
+-- versions up to 1.6.4 had _guc_bytes without "unlimited": an update drops
+-- it first, so that no call here can match both
+DO $do$
+BEGIN
+	IF pg_catalog.to_regprocedure('idempotency._guc_bytes(text, bigint, boolean)') IS NOT NULL THEN
+		DROP FUNCTION idempotency._guc_bytes(text, bigint, boolean);
+	END IF;
+END;
+$do$;
+
 /*
  * An idempotency.* setting that counts bytes (or plain numbers).  The C
  * edition lets only superusers change max_response_size and

@@ -29,8 +29,7 @@ BEGIN
 				'_w_lookup', '_w_stats_key_counts', '_lock_class', '_key_hash',
 				'_mark_insert', '_tenant_check', '_write_claim', '_held_here',
 				'_sweep_one']::name[])
-				OR p.oid OPERATOR(pg_catalog.=) pg_catalog.to_regprocedure('idempotency._flush_tokens()')
-				OR p.oid OPERATOR(pg_catalog.=) pg_catalog.to_regprocedure('idempotency._guc_bytes(text, bigint, boolean)'))
+				OR p.oid OPERATOR(pg_catalog.=) pg_catalog.to_regprocedure('idempotency._flush_tokens()'))
 	LOOP
 		EXECUTE pg_catalog.format('DROP FUNCTION %s', f);
 	END LOOP;

@@ -97,11 +97,6 @@ sub install_extension
 	# The installer's text stays out of the server log (log_statement =
 	# all in TAP nodes): its lines carry no log line prefix, so log_errors
 	# could not tell them from the server's, and they name errors.
-	my $sql =
-	  $EDITION eq 'plain'
-	  ? "SET log_statement = 'none';\n" . installer_sql()
-	  : 'CREATE EXTENSION idempotency'
-	  . (defined $opt{version} ? " VERSION '$opt{version}'" : '');
 	my $user = $opt{user};
 	if (sql_edition() && !defined $user)
 	{
@@ -109,6 +104,13 @@ sub install_extension
 		$node->safe_psql($db, qq{ALTER DATABASE "$db" OWNER TO $SQL_ADMIN});
 		$user = $SQL_ADMIN;
 	}
+	# (the admin role logs no statements: sql_admin sets that for it)
+	my $sql =
+	  $EDITION eq 'plain'
+	  ? ($user && $user eq $SQL_ADMIN ? '' : "SET log_statement = 'none';\n")
+	  . installer_sql()
+	  : 'CREATE EXTENSION idempotency'
+	  . (defined $opt{version} ? " VERSION '$opt{version}'" : '');
 	$node->safe_psql($db, $sql, $user ? (extra_params => [ '-U', $user ]) : ());
 	return;
 }
@@ -122,6 +124,8 @@ sub sql_admin
 			IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '$SQL_ADMIN') THEN
 				CREATE ROLE $SQL_ADMIN LOGIN CREATEROLE NOSUPERUSER;
 				GRANT pg_read_all_stats TO $SQL_ADMIN;
+				-- the installers' text stays out of the server log
+				ALTER ROLE $SQL_ADMIN SET log_statement = 'none';
 			END IF;
 			IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'pgtle_admin') THEN
 				GRANT pgtle_admin TO $SQL_ADMIN;
@@ -189,8 +193,7 @@ sub new_node
 		# extension
 		$node->safe_psql($_, "CREATE EXTENSION pg_tle") for qw(template1 postgres);
 		sql_admin($node);
-		$node->safe_psql($_, "SET log_statement = 'none';\n" . installer_sql(),
-			extra_params => [ '-U', $SQL_ADMIN ])
+		$node->safe_psql($_, installer_sql(), extra_params => [ '-U', $SQL_ADMIN ])
 		  for qw(template1 postgres);
 	}
 	install_extension($node, 'postgres') if $opt{extension};
