@@ -9,6 +9,9 @@
 \set VERBOSITY sqlstate
 
 CREATE TABLE public.seen_settings (n serial, op text, key text, path text, work_mem text);
+-- the table's triggers write here with its owner's rights
+DO $$ BEGIN EXECUTE format('GRANT SELECT, INSERT ON public.seen_settings TO %1$s; GRANT USAGE ON SEQUENCE public.seen_settings_n_seq TO %1$s', (SELECT c.relowner::regrole FROM pg_class c
+    WHERE c.oid = 'idempotency.keys'::regclass)); END $$;
 CREATE FUNCTION public.keys_change_settings() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
 	k text := CASE WHEN TG_OP = 'DELETE' THEN OLD.key ELSE NEW.key END;

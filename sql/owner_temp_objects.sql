@@ -11,6 +11,7 @@
 -- looked up by an unqualified name) do not count, and without such code
 -- on the table temporary tables change nothing.
 --
+\set SHOW_CONTEXT errors
 \set VERBOSITY sqlstate
 
 CREATE ROLE regress_idem_trudy LOGIN;
@@ -19,6 +20,9 @@ GRANT USAGE ON SCHEMA idempotency TO regress_idem_trudy;
 -- the DBA's audit trigger names its table unqualified (a bug, but one the
 -- caller must not be able to use)
 CREATE TABLE public.keys_audit (key text, who text);
+-- the table's triggers write here with its owner's rights
+DO $$ BEGIN EXECUTE format('GRANT SELECT, INSERT ON public.keys_audit TO %s', (SELECT c.relowner::regrole FROM pg_class c
+    WHERE c.oid = 'idempotency.keys'::regclass)); END $$;
 CREATE FUNCTION public.keys_audit_row() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
 	INSERT INTO keys_audit VALUES (NEW.key, current_user);
@@ -40,7 +44,9 @@ CREATE TRIGGER escalate BEFORE INSERT ON pg_temp.keys_audit
 	FOR EACH ROW EXECUTE FUNCTION pg_temp.escalate();
 SELECT outcome FROM idempotency.idem_claim('t1', scope => 'owner-temp');
 \set VERBOSITY default
+\set SHOW_CONTEXT never
 SELECT outcome FROM idempotency.idem_claim('t1', scope => 'owner-temp');
+\set SHOW_CONTEXT errors
 \set VERBOSITY sqlstate
 -- a batch and the sweep are refused alike
 SELECT count(*) FROM idempotency.idem_claim_many(ARRAY['t2', 't3'], scope => 'owner-temp');
@@ -138,8 +144,10 @@ SAVEPOINT s;
 SELECT outcome FROM idempotency.idem_claim('t9', scope => 'owner-temp');
 ROLLBACK TO s;
 \set VERBOSITY default
+\set SHOW_CONTEXT never
 SELECT status FROM idempotency.idem_lookup('t9', scope => 'owner-temp');
 ROLLBACK TO s;
+\set SHOW_CONTEXT errors
 \set VERBOSITY sqlstate
 ALTER FUNCTION public.norm(text) SET search_path = pg_catalog;
 SELECT outcome FROM idempotency.idem_claim('t9', scope => 'owner-temp');

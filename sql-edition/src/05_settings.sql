@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * 05_settings.sql
- *	  Settings, argument checks, messages, key locks and fingerprints.
+ *	  Settings, argument checks, messages and fingerprints.
  *
  * Mirrors guc.c (_guc_interval, _guc_bytes: the idempotency.* settings,
  * which are placeholders without the C library, with the C edition's

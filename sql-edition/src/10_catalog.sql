@@ -28,9 +28,9 @@
  * Refuse a store that is not as this script made it: a missing table,
  * sequence or index, a table that is no member of the extension (under
  * pg_tle; the plain installer makes no extension), columns of other names
- * or types, a lost NOT NULL, or an index on other columns.  The SQL
- * edition has no relation cache to keep this in, so it reads the catalog
- * at every call (a few index lookups).
+ * or types, a lost NOT NULL, or an index on other columns.  Run by
+ * _store_verdict when a plan of the API functions is made, and by
+ * _check_store to name what is missing.
  */
 CREATE OR REPLACE FUNCTION idempotency._check_catalog()
 RETURNS void
@@ -229,7 +229,9 @@ BEGIN
 	PERFORM idempotency._check_bindings();
 	keys := pg_catalog.to_regclass('idempotency.keys');
 	session_idx := pg_catalog.to_regclass('idempotency.keys_owner_session_idx');
-	SELECT ic.relname, p.oid::pg_catalog.regprocedure AS fn INTO f
+	SELECT ic.relname, pg_catalog.quote_ident(p.proname) OPERATOR(pg_catalog.||) '('
+		   OPERATOR(pg_catalog.||) pg_catalog.pg_get_function_identity_arguments(p.oid)
+		   OPERATOR(pg_catalog.||) ')' AS fn INTO f
 	  FROM pg_catalog.pg_index i
 	  JOIN pg_catalog.pg_class ic ON ic.oid OPERATOR(pg_catalog.=) i.indexrelid
 	  JOIN pg_catalog.pg_depend d
@@ -342,5 +344,53 @@ AS $$
 BEGIN
 	PERFORM idempotency._check_catalog();
 	PERFORM idempotency._check_bindings();
+END;
+$$;
+
+/*
+ * The settings a write's attached code could change, before the write:
+ * every setting a role may change for its session (context user or
+ * superuser), as pg_settings shows it.  Taken only where the store's
+ * verdict says a write runs a user's code.
+ */
+CREATE OR REPLACE FUNCTION idempotency._settings_save()
+RETURNS jsonb
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+BEGIN ATOMIC
+	SELECT pg_catalog.jsonb_object_agg(s.name, s.setting)
+	  FROM pg_catalog.pg_settings s
+	 WHERE s.context OPERATOR(pg_catalog.=) ANY (ARRAY['user', 'superuser']);
+END;
+
+/*
+ * After a write that ran a user's code: set back every setting that code
+ * changed ("saved" from _settings_save), so that a trigger's SET or
+ * set_config(..., false) ends with the write, as in the C edition's
+ * restricted sections, and pin search_path again for the rest of the
+ * call (a later row's trigger must not run with a path an earlier one
+ * set).  search_path is set for the calling function only (its SET
+ * clause restores the caller's at exit); any other setting for the
+ * session, as the caller had it.
+ */
+CREATE OR REPLACE FUNCTION idempotency._settings_restore(saved jsonb)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+	c record;
+BEGIN
+	FOR c IN
+		SELECT s.name, saved OPERATOR(pg_catalog.->>) s.name AS old
+		  FROM pg_catalog.pg_settings s
+		 WHERE s.context OPERATOR(pg_catalog.=) ANY (ARRAY['user', 'superuser'])
+		   AND s.name OPERATOR(pg_catalog.<>) 'search_path'
+		   AND s.setting IS DISTINCT FROM saved OPERATOR(pg_catalog.->>) s.name
+	LOOP
+		IF c.old IS NOT NULL THEN
+			PERFORM pg_catalog.set_config(c.name, c.old, false);
+		END IF;
+	END LOOP;
+	PERFORM pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 END;
 $$;

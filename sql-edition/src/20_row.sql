@@ -85,7 +85,7 @@ $$;
  * Is the row version whose xmax is "x" changed or row-locked right now by
  * another transaction through a multixact?  A row that several
  * transactions lock, or that one transaction locks and then updates in a
- * subtransaction (every worker writes inside an exception block), carries
+ * subtransaction (a fresh claim inserts inside an exception block), carries
  * a multixact id in xmax, which SQL cannot tell from a transaction id: so
  * "x" is read as a multixact too.  It counts as busy when one of its
  * members is still running and is not ours, while another backend holds a
@@ -140,7 +140,7 @@ $$;
  *     raise a serialization failure.
  * That last test is not complete: a snapshot lists running top-level
  * transactions only, so a change made in a subtransaction (every writer
- * writes inside an exception block) or through a multixact, committed
+ * may write inside an exception block) or through a multixact, committed
  * between the statement's snapshot and the questions, looks as if it
  * committed before.  The version read is then the one the snapshot saw,
  * which answers consistently as of that moment, but the version to write

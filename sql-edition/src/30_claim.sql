@@ -69,7 +69,8 @@ DECLARE
 	expires timestamptz;
 	owner bigint;
 	setting text;
-	saved text;
+	saved jsonb;
+	timeout text;
 	ctx text;
 	n bigint;
 	round integer := 0;
@@ -153,6 +154,7 @@ BEGIN
 		-- a write
 		IF r.verdict OPERATOR(pg_catalog.<>) 0 THEN
 			PERFORM idempotency._refuse_write(r.verdict);
+			saved := idempotency._settings_save();
 		END IF;
 		owner := CASE WHEN p_session_bound THEN idempotency._session_binding() END;
 		IF p_session_bound AND owner IS NULL THEN
@@ -186,7 +188,7 @@ BEGIN
 			token := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
 			token_lsn := pg_catalog.pg_current_wal_insert_lsn();
 			BEGIN
-				saved := pg_catalog.current_setting('lock_timeout');
+				timeout := pg_catalog.current_setting('lock_timeout');
 				PERFORM pg_catalog.set_config('lock_timeout',
 					GREATEST(p_wait_ms, 1)::text OPERATOR(pg_catalog.||) 'ms', true);
 				IF r.verdict OPERATOR(pg_catalog.&) 4 OPERATOR(pg_catalog.=) 0 THEN
@@ -210,7 +212,7 @@ BEGIN
 						NULL, NULL, owner);
 					n := 1;
 				END IF;
-				PERFORM pg_catalog.set_config('lock_timeout', saved, true);
+				PERFORM pg_catalog.set_config('lock_timeout', timeout, true);
 			EXCEPTION WHEN unique_violation THEN
 				n := 0;			-- a claim committed since the read
 			WHEN lock_not_available THEN
@@ -286,6 +288,9 @@ BEGIN
 					   owner_session = owner
 				 WHERE k.ctid OPERATOR(pg_catalog.=) l.tid;
 			END IF;
+		END IF;
+		IF saved IS NOT NULL THEN
+			PERFORM idempotency._settings_restore(saved);
 		END IF;
 		IF first IS NULL OR first OPERATOR(pg_catalog.=) '' THEN
 			first := pg_catalog.current_setting('idempotency_sql.xact_first_token', true);

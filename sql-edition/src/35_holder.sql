@@ -115,6 +115,7 @@ DECLARE
 	row_held boolean;
 	step text;
 	setting text;
+	saved jsonb;
 	n bigint;
 	rounds integer := 0;
 BEGIN
@@ -154,6 +155,7 @@ BEGIN
 			END IF;
 			IF r.verdict OPERATOR(pg_catalog.<>) 0 THEN
 				PERFORM idempotency._refuse_write(r.verdict);
+				saved := idempotency._settings_save();
 			END IF;
 			IF kind OPERATOR(pg_catalog.=) 'finish' THEN
 				result := now OPERATOR(pg_catalog.+) COALESCE(p_interval, r.retention);
@@ -182,6 +184,9 @@ BEGIN
 				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			END IF;
 			GET DIAGNOSTICS n = ROW_COUNT;
+			IF saved IS NOT NULL THEN
+				PERFORM idempotency._settings_restore(saved);
+			END IF;
 			IF n OPERATOR(pg_catalog.<>) 1 THEN
 				RAISE EXCEPTION 'idempotency key changed during a write'
 					USING ERRCODE = '40001',

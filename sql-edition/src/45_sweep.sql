@@ -24,10 +24,12 @@
  * ones whose attempt ended (their tokens die), at most "max_expire" and
  * "max_reset"; with "reschedule", move the others' sweep_at to when they
  * next need a look.  A pending key our own open transaction claimed is
- * left alone.  Returns how many were expired, reset and rescheduled.
+ * left alone.  Nothing is written where the store's verdict refuses a
+ * write (_refuse_write), and nothing is refused when there is nothing to
+ * write.  Returns how many were expired, reset and rescheduled.
  */
 CREATE OR REPLACE FUNCTION idempotency._sweep_rows(tids tid[], now timestamptz,
-	max_expire bigint, max_reset bigint, reschedule boolean,
+	max_expire bigint, max_reset bigint, reschedule boolean, verdict integer,
 	OUT expired bigint, OUT reset bigint, OUT rescheduled bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -41,6 +43,9 @@ DECLARE
 	del tid[] := '{}';
 	res tid[] := '{}';
 	later tid[] := '{}';
+	t tid;
+	n bigint;
+	saved jsonb;
 BEGIN
 	expired := 0;
 	reset := 0;
@@ -77,8 +82,48 @@ BEGIN
 			later := later OPERATOR(pg_catalog.||) c.tid;
 		END IF;
 	END LOOP;
+	IF verdict OPERATOR(pg_catalog.<>) 0 AND pg_catalog.cardinality(del) OPERATOR(pg_catalog.+)
+	   pg_catalog.cardinality(res) OPERATOR(pg_catalog.+) pg_catalog.cardinality(later) OPERATOR(pg_catalog.>) 0 THEN
+		PERFORM idempotency._refuse_write(verdict);
+	END IF;
 	-- A row a trigger or rule keeps from being written (a BEFORE trigger
-	-- that returns NULL) is not counted.
+	-- that returns NULL) is not counted.  Where the table runs a user's
+	-- code, each row is written alone, its settings set back after it
+	-- (_settings_restore), so that no row's trigger runs with what an
+	-- earlier row's changed.
+	IF verdict OPERATOR(pg_catalog.&) 1 OPERATOR(pg_catalog.<>) 0 THEN
+		expired := 0;
+		reset := 0;
+		rescheduled := 0;
+		FOREACH t IN ARRAY del LOOP
+			saved := idempotency._settings_save();
+			DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) t;
+			GET DIAGNOSTICS n = ROW_COUNT;
+			expired := expired OPERATOR(pg_catalog.+) n;
+			PERFORM idempotency._settings_restore(saved);
+		END LOOP;
+		FOREACH t IN ARRAY res LOOP
+			saved := idempotency._settings_save();
+			UPDATE idempotency.keys k
+			   SET token = NULL, sweep_at = k.expires_at, owner_session = NULL
+			 WHERE k.ctid OPERATOR(pg_catalog.=) t;
+			GET DIAGNOSTICS n = ROW_COUNT;
+			reset := reset OPERATOR(pg_catalog.+) n;
+			PERFORM idempotency._settings_restore(saved);
+		END LOOP;
+		FOREACH t IN ARRAY later LOOP
+			saved := idempotency._settings_save();
+			UPDATE idempotency.keys k
+			   SET sweep_at = CASE WHEN k.status OPERATOR(pg_catalog.=) 'pending' AND k.token IS NOT NULL
+									AND k.lease_until OPERATOR(pg_catalog.>) now
+								   THEN k.lease_until ELSE k.expires_at END
+			 WHERE k.ctid OPERATOR(pg_catalog.=) t;
+			GET DIAGNOSTICS n = ROW_COUNT;
+			rescheduled := rescheduled OPERATOR(pg_catalog.+) n;
+			PERFORM idempotency._settings_restore(saved);
+		END LOOP;
+		RETURN;
+	END IF;
 	IF pg_catalog.cardinality(del) OPERATOR(pg_catalog.>) 0 THEN
 		DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) ANY (del);
 		GET DIAGNOSTICS expired = ROW_COUNT;
@@ -136,9 +181,6 @@ BEGIN
 	  FROM (SELECT idempotency._store_verdict() AS verdict,
 				   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
 	  LEFT JOIN idempotency.keys k ON false;
-	IF verdict OPERATOR(pg_catalog.<>) 0 THEN
-		PERFORM idempotency._refuse_write(verdict);
-	END IF;
 	now := pg_catalog.clock_timestamp();
 	expired := 0;
 	reset := 0;
@@ -150,7 +192,7 @@ BEGIN
 					   LIMIT n
 					   FOR NO KEY UPDATE SKIP LOCKED);
 		w := idempotency._sweep_rows(tids, now, batch OPERATOR(pg_catalog.-) expired,
-			batch OPERATOR(pg_catalog.-) reset, true);
+			batch OPERATOR(pg_catalog.-) reset, true, verdict);
 		expired := expired OPERATOR(pg_catalog.+) w.expired;
 		reset := reset OPERATOR(pg_catalog.+) w.reset;
 		EXIT WHEN pg_catalog.cardinality(tids) OPERATOR(pg_catalog.<) n
@@ -168,7 +210,7 @@ BEGIN
 						   WHERE k.owner_session OPERATOR(pg_catalog.=) ANY (dead)
 						   FOR NO KEY UPDATE SKIP LOCKED);
 			w := idempotency._sweep_rows(tids, now, batch OPERATOR(pg_catalog.-) expired,
-				batch OPERATOR(pg_catalog.-) reset, false);
+				batch OPERATOR(pg_catalog.-) reset, false, verdict);
 			expired := expired OPERATOR(pg_catalog.+) w.expired;
 			reset := reset OPERATOR(pg_catalog.+) w.reset;
 		END IF;

@@ -4,9 +4,9 @@
  *	  bind_scope and unbind_scope, and the bindings table's trigger.
  *
  * Mirrors the API of tenant.c and the C edition's idempotency--1.6.sql.
- * The SQL edition reads the bindings table at every call, so its trigger
- * has nothing to tell; it stays so that both editions have the same
- * objects.  The check every call makes is in 15_tenant.sql.
+ * The SQL edition reads the caller's binding in each call's first query,
+ * so its trigger has nothing to tell; it stays so that both editions have
+ * the same objects.  The check every call makes is in 15_tenant.sql.
  *
  *-------------------------------------------------------------------------
  */
@@ -18,7 +18,7 @@
 
 /*
  * The C edition's trigger tells every backend to reload its cached
- * bindings; the SQL edition reads the table at every call, so there is
+ * bindings; the SQL edition reads the binding in each call, so there is
  * nothing to tell.  The trigger stays, so that both editions have the same
  * objects.
  */
