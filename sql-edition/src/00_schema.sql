@@ -1,8 +1,8 @@
 /*-------------------------------------------------------------------------
  *
  * 00_schema.sql
- *	  The store: the token sequence, idempotency.keys, scope_bindings and
- *	  the claim_result type, with their privileges.
+ *	  The store: the token sequence, idempotency.keys, scope_bindings, the
+ *	  key lanes and the claim_result type, with their privileges.
  *
  * Owns the objects that hold data, and what pg_dump carries of them: the
  * same columns, indexes, storage and privileges as the C edition's
@@ -80,9 +80,41 @@ CREATE TABLE IF NOT EXISTS idempotency.scope_bindings (
 REVOKE ALL ON TABLE idempotency.scope_bindings FROM PUBLIC;
 
 /*
+ * Key lanes: a fixed set of rows whose locks stand for the keys being
+ * inserted.  A claim of a new key locks its lane (the hash of scope and
+ * key, one of 262144) without waiting, FOR NO KEY UPDATE SKIP LOCKED,
+ * before it inserts, and keeps the lock to the end of its transaction, as
+ * it keeps the row it inserts: a lane another transaction holds means a
+ * key of that lane is being inserted right now, which SQL cannot see any
+ * other way without waiting for that transaction.  A claim answers
+ * in_progress then (one of two keys that share a lane may wait for the
+ * other's transaction, the brief in_progress of a hash collision), and a
+ * claim asked to wait waits on that lane's lock, waking when that
+ * transaction (or savepoint) ends.  Row locks take no room in the shared
+ * lock table, so a transaction may claim any number of keys, and only the
+ * table's owner can lock these rows.  The rows are part of the store:
+ * never delete them (a claim of a key whose lane is missing would always
+ * answer in_progress).
+ */
+CREATE TABLE IF NOT EXISTS idempotency.key_lanes (
+	lane			integer PRIMARY KEY
+) WITH (fillfactor = 100);
+REVOKE ALL ON TABLE idempotency.key_lanes FROM PUBLIC;
+DO $do$
+BEGIN
+	IF (SELECT pg_catalog.count(*) FROM idempotency.key_lanes) OPERATOR(pg_catalog.<>) 262144 THEN
+		INSERT INTO idempotency.key_lanes (lane)
+		SELECT g FROM pg_catalog.generate_series(0, 262143) g
+		ON CONFLICT (lane) DO NOTHING;
+	END IF;
+END;
+$do$;
+
+/*
  * pg_dump carries the keys, the sequence's position and the bindings along
  * with an extension (pg_tle); outside CREATE EXTENSION (the plain
- * installer) they are ordinary objects that pg_dump dumps anyway.
+ * installer) they are ordinary objects that pg_dump dumps anyway.  The
+ * lanes are not configuration: CREATE EXTENSION makes them again.
  */
 DO $do$
 BEGIN

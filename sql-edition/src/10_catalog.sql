@@ -84,6 +84,10 @@ BEGIN
 			END IF;
 		END LOOP;
 	END IF;
+	IF pg_catalog.to_regclass('idempotency.key_lanes') IS NULL THEN
+		RAISE EXCEPTION 'table "idempotency.key_lanes" of extension "idempotency" is missing'
+			USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';
+	END IF;
 	IF pg_catalog.to_regclass('idempotency.keys_pkey') IS NULL THEN
 		RAISE EXCEPTION 'index "keys_pkey" of extension "idempotency" is missing'
 			USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';

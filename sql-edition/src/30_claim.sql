@@ -8,10 +8,10 @@
  * wait.c.  _claim_key decides and writes one claim; idem_claim and
  * idem_claim_many check their arguments and call it, with their owner's
  * rights; idem_claim waits when asked to.  Keys serialise on what only
- * the table's owner can touch: the primary key's unique check for a new
- * key, the row's lock for an existing one, both held by the claiming
- * transaction alone and never waited for unless the call was asked to
- * wait.  Must not touch a key it has not claimed: the calls that present
+ * the table's owner can touch: the key's lane (key_lanes) for a new key,
+ * the row's lock for an existing one, both held by the claiming
+ * transaction to its end and never waited for unless the call was asked
+ * to wait.  Must not touch a key it has not claimed: the calls that present
  * a token are in 35_holder.sql.
  *
  *-------------------------------------------------------------------------
@@ -28,10 +28,10 @@
  * the store's verdict when that read can answer (a replay, a mismatch, a
  * live claim of another attempt: no lock, no subtransaction), written
  * otherwise:
- *   - a new key: one INSERT ... ON CONFLICT DO NOTHING, whose unique check
- *     would wait for another transaction inserting the same key; a
- *     lock_timeout of 1 ms (or "p_wait_ms") turns that wait into
- *     in_progress, inside the one exception block of a claim;
+ *   - a new key: its lane locked without waiting (key_lanes: a lane another
+ *     transaction holds answers in_progress), then one INSERT ... ON
+ *     CONFLICT DO NOTHING, which cannot wait, as no other claim inserts
+ *     the key (a conflict is a claim that committed since the read);
  *   - a key whose attempt ended (lease over, session gone) or whose
  *     retention passed: the row locked without waiting (FOR NO KEY UPDATE
  *     SKIP LOCKED, which also reads its newest committed version), judged
@@ -39,7 +39,7 @@
  * A row version another transaction is changing or locking right now
  * answers in_progress (_probe tells).  Besides the claim's columns it says
  * why a key is in progress ("busy": 'row' when another transaction holds
- * the row, 'insert' when it inserts the key, NULL for a claim that
+ * the row, 'lane' when it holds the key's lane, NULL for a claim that
  * committed), whether this transaction holds the claim itself ("held"),
  * until when the lease runs, and the WAL position the token needs flushed
  * before it leaves ("token_lsn").  It has no SET clause of its own (each
@@ -49,7 +49,7 @@
  */
 CREATE OR REPLACE FUNCTION idempotency._claim_key(p_who name, p_role oid,
 	p_key text, p_fp bytea, p_scope text, p_lease interval,
-	p_retention interval, p_session_bound boolean, p_wait_ms bigint,
+	p_retention interval, p_session_bound boolean,
 	OUT outcome text, OUT token bigint, OUT attempt integer, OUT status text,
 	OUT response_code integer, OUT response_body jsonb, OUT retry_after integer,
 	OUT phase text, OUT phase_data jsonb,
@@ -70,11 +70,8 @@ DECLARE
 	owner bigint;
 	setting text;
 	saved jsonb;
-	timeout text;
-	ctx text;
 	n bigint;
 	round integer := 0;
-	stalls integer := 0;
 BEGIN
 	held := false;
 	IF pg_catalog.to_regclass('idempotency.keys') IS NULL OR
@@ -181,28 +178,35 @@ BEGIN
 		expires := GREATEST(now OPERATOR(pg_catalog.+) ret, lease_until);
 
 		IF NOT p.present THEN
-			-- The table lock is waited for as the C edition waits for it, so
-			-- that a DDL in progress never reads as a busy key: the short
-			-- lock_timeout is meant for the unique check alone.
-			LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
+			-- Another transaction inserting a key of this lane holds its
+			-- lock (see key_lanes): in_progress, without waiting.
+			PERFORM FROM idempotency.key_lanes kl
+			 WHERE kl.lane OPERATOR(pg_catalog.=) (pg_catalog.hashtext(pg_catalog.octet_length(p_scope)::text
+					OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key)
+					OPERATOR(pg_catalog.&) 262143)
+			   FOR NO KEY UPDATE SKIP LOCKED;
+			IF NOT FOUND THEN
+				outcome := 'in_progress'; retry_after := 1; busy := 'lane';
+				lease_until := NULL;
+				RETURN;
+			END IF;
 			token := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
 			token_lsn := pg_catalog.pg_current_wal_insert_lsn();
-			BEGIN
-				timeout := pg_catalog.current_setting('lock_timeout');
-				PERFORM pg_catalog.set_config('lock_timeout',
-					GREATEST(p_wait_ms, 1)::text OPERATOR(pg_catalog.||) 'ms', true);
-				IF r.verdict OPERATOR(pg_catalog.&) 4 OPERATOR(pg_catalog.=) 0 THEN
-					INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
-						fingerprint, response_code, response_body, created_at, finished_at,
-						lease_until, expires_at, retention, sweep_at, phase, phase_data,
-						owner_session)
-					VALUES (p_scope, p_key, 'pending', _claim_key.token, 1, p_fp, NULL, NULL,
-						now, NULL, _claim_key.lease_until, expires, ret, _claim_key.lease_until,
-						NULL, NULL, owner)
-					ON CONFLICT (scope, key) DO NOTHING;
-					GET DIAGNOSTICS n = ROW_COUNT;
-				ELSE
-					-- rules on the table: PostgreSQL refuses ON CONFLICT there
+			IF r.verdict OPERATOR(pg_catalog.&) 4 OPERATOR(pg_catalog.=) 0 THEN
+				-- No other claim inserts this key now (we hold its lane): a
+				-- conflict is a claim that committed since the read.
+				INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
+					fingerprint, response_code, response_body, created_at, finished_at,
+					lease_until, expires_at, retention, sweep_at, phase, phase_data,
+					owner_session)
+				VALUES (p_scope, p_key, 'pending', _claim_key.token, 1, p_fp, NULL, NULL,
+					now, NULL, _claim_key.lease_until, expires, ret, _claim_key.lease_until,
+					NULL, NULL, owner)
+				ON CONFLICT (scope, key) DO NOTHING;
+				GET DIAGNOSTICS n = ROW_COUNT;
+			ELSE
+				-- rules on the table: PostgreSQL refuses ON CONFLICT there
+				BEGIN
 					INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 						fingerprint, response_code, response_body, created_at, finished_at,
 						lease_until, expires_at, retention, sweep_at, phase, phase_data,
@@ -211,29 +215,14 @@ BEGIN
 						now, NULL, _claim_key.lease_until, expires, ret, _claim_key.lease_until,
 						NULL, NULL, owner);
 					n := 1;
-				END IF;
-				PERFORM pg_catalog.set_config('lock_timeout', timeout, true);
-			EXCEPTION WHEN unique_violation THEN
-				n := 0;			-- a claim committed since the read
-			WHEN lock_not_available THEN
-				-- A wait for another transaction's insert of the key names
-				-- that row version ("while inserting index tuple (0,2) in
-				-- relation ...", in any language) in the innermost line of
-				-- the context.  Any other wait that outlasted the timeout (the
-				-- extension lock of the table or an index, taken while they
-				-- grow) says nothing about the key: write again, without
-				-- counting a round.
-				GET STACKED DIAGNOSTICS ctx = PG_EXCEPTION_CONTEXT;
-				IF pg_catalog.split_part(ctx, E'\n', 1) OPERATOR(pg_catalog.~) '[(][0-9]+,[0-9]+[)]' OR
-				   stalls OPERATOR(pg_catalog.>=) 1000 OR p_wait_ms OPERATOR(pg_catalog.>) 1 THEN
-					outcome := 'in_progress'; retry_after := 1; busy := 'insert';
-					token := NULL; lease_until := NULL; token_lsn := NULL;
-					RETURN;
-				END IF;
-				stalls := stalls OPERATOR(pg_catalog.+) 1;
-				round := round OPERATOR(pg_catalog.-) 1;
-				CONTINUE;
-			END;
+				EXCEPTION WHEN unique_violation THEN
+					IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
+						RAISE EXCEPTION 'could not serialize access due to concurrent update of an idempotency key'
+							USING ERRCODE = '40001', HINT = 'Retry the transaction.';
+					END IF;
+					n := 0;
+				END;
+			END IF;
 			IF n OPERATOR(pg_catalog.=) 0 THEN
 				-- a claim committed since the read: decide once more
 				token := NULL; lease_until := NULL; token_lsn := NULL;
@@ -337,11 +326,12 @@ $$;
 /*
  * idem_claim: check the arguments, claim, and with "wait" wait until the
  * attempt in flight settles or its lease ends.  A key another transaction
- * holds (a claim, takeover, finish or sweep not committed yet) is waited
- * for as PostgreSQL waits for that transaction: on its row lock, or in the
- * unique check of the insert, so the wait ends when that transaction
- * does.  A key held by an attempt whose claim committed is polled, 1 ms at
- * first, backing off to 10 ms, and never past the lease's end.
+ * holds (a claim, takeover, finish, release or sweep not committed yet) is
+ * waited for as PostgreSQL waits for that transaction, on the row's lock
+ * or the key's lane's, so the wait ends when that transaction (or the
+ * savepoint it made the change in) does.  A key held by an attempt whose
+ * claim committed is polled, 1 ms at first, backing off to 10 ms, and
+ * never past the lease's end.
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_claim(
 	key			text,
@@ -392,7 +382,7 @@ BEGIN
 		fp := pg_catalog.sha256(pg_catalog.convert_to(request::text, pg_catalog.getdatabaseencoding()));
 	END IF;
 	w := idempotency._claim_key(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), key, fp,
-		scope, lease, retention, session_bound, 0);
+		scope, lease, retention, session_bound);
 	IF w.outcome OPERATOR(pg_catalog.=) 'in_progress' AND NOT w.held
 	   AND wait OPERATOR(pg_catalog.>) '0'::interval THEN
 		deadline := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) wait;
@@ -416,22 +406,31 @@ BEGIN
 				EXCEPTION WHEN SQLSTATE 'IDW01' OR lock_not_available THEN
 					NULL;
 				END;
-				w := idempotency._claim_key(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), key, fp,
-					scope, lease, retention, session_bound, 0);
-			ELSIF w.busy OPERATOR(pg_catalog.=) 'insert' THEN
-				-- the insert's unique check waits for the inserting transaction
-				w := idempotency._claim_key(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), key, fp,
-					scope, lease, retention, session_bound, remaining);
+			ELSIF w.busy OPERATOR(pg_catalog.=) 'lane' THEN
+				-- another transaction inserts a key of this lane: wait on the
+				-- lane's lock, which it holds to its end (or its savepoint's)
+				BEGIN
+					PERFORM pg_catalog.set_config('lock_timeout', remaining::text OPERATOR(pg_catalog.||) 'ms', true);
+					PERFORM FROM idempotency.key_lanes kl
+					 WHERE kl.lane OPERATOR(pg_catalog.=) (pg_catalog.hashtext(pg_catalog.octet_length(idem_claim.scope)::text
+							OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) idem_claim.scope
+							OPERATOR(pg_catalog.||) idem_claim.key) OPERATOR(pg_catalog.&) 262143)
+					   FOR SHARE;
+					RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
+				EXCEPTION WHEN SQLSTATE 'IDW01' OR lock_not_available THEN
+					NULL;
+				END;
 			ELSE
+				-- a claim that committed: poll
 				sleep := LEAST(pause, EXTRACT(epoch FROM deadline OPERATOR(pg_catalog.-) now)::double precision);
 				IF w.lease_until IS NOT NULL AND w.lease_until OPERATOR(pg_catalog.>) now THEN
 					sleep := LEAST(sleep, EXTRACT(epoch FROM w.lease_until OPERATOR(pg_catalog.-) now)::double precision);
 				END IF;
 				PERFORM pg_catalog.pg_sleep(GREATEST(sleep, 0.0005));
 				pause := LEAST(pause OPERATOR(pg_catalog.*) 2, 0.01);
-				w := idempotency._claim_key(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), key, fp,
-					scope, lease, retention, session_bound, 0);
 			END IF;
+			w := idempotency._claim_key(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), key, fp,
+				scope, lease, retention, session_bound);
 			EXIT WHEN w.outcome OPERATOR(pg_catalog.<>) 'in_progress' OR w.held;
 		END LOOP;
 	END IF;
@@ -498,7 +497,7 @@ BEGIN
 		w := idempotency._claim_key(who, role, k[i],
 			CASE WHEN req[i] IS NOT NULL THEN
 				pg_catalog.sha256(pg_catalog.convert_to(req[i]::text, pg_catalog.getdatabaseencoding())) END,
-			scope, lease, retention, session_bound, 0);
+			scope, lease, retention, session_bound);
 		IF w.token_lsn IS NOT NULL THEN
 			lsn := GREATEST(lsn, w.token_lsn);
 		END IF;
