@@ -19,9 +19,9 @@
  *   the others keep drawing; a drawer that finds the block used up waits for
  *   that refill.  Every backend of a database draws from the same block, so
  *   tokens increase across all of them.  A block is never given to another
- *   database or sequence while the server runs, and when the table of
- *   blocks is full, a database without one uses the other way for as long
- *   as the server runs.
+ *   database or sequence while its database exists, and once the table of
+ *   blocks has been full, a database without one uses the other way for as
+ *   long as the server runs.
  * - Otherwise (no preloading, or no block to be had), each token is a
  *   nextval, and the record that covers it, which another backend may have
  *   written and not flushed, is made durable before the token leaves: at
@@ -551,7 +551,10 @@ idem_token_next(void)
 /*
  * The token of a claim that writes over "old" (NULL: a new key): the next
  * one, and on a distributed table also above the key's current token (a
- * shard may have moved here from a node whose sequence was ahead).
+ * shard may have moved here from a node whose sequence was ahead).  A
+ * Citus node draws from its own block like any server: the block only
+ * changes when the sequence's values are made durable, not which ones
+ * idem_citus_claim_token starts from.
  */
 int64
 idem_token_claim(const IdemRow *old)
