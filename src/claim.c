@@ -339,7 +339,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 			idem_interval_from_ms((int64) idem_retention_s * 1000);
 		lease_until = idem_add_interval(now, lease);
 		expires_at = Max(idem_add_interval(now, retention), lease_until);
-		token = idem_write_claim_token(row.found ? &row : NULL);
+		token = idem_token_claim(row.found ? &row : NULL);
 
 		if (!row.found)
 			idem_write_insert_claim(args->scope, args->key, token,
@@ -630,7 +630,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	elem_cxt = AllocSetContextCreate(outer, "idempotency batch element",
 									 ALLOCSET_SMALL_SIZES);
 	/* one WAL flush for the batch's tokens, when it returns them */
-	idem_write_defer_token_flush(&outer_batch);
+	idem_token_defer_flush(&outer_batch);
 	PG_TRY();
 	{
 		for (int i = 0; i < keys.n; i++)
@@ -663,11 +663,11 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	}
 	PG_CATCH();
 	{
-		idem_write_flush_tokens(&outer_batch, false);
+		idem_token_flush(&outer_batch, false);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
-	idem_write_flush_tokens(&outer_batch, true);
+	idem_token_flush(&outer_batch, true);
 	MemoryContextDelete(elem_cxt);
 	PG_RETURN_VOID();
 }

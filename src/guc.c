@@ -26,6 +26,9 @@ int			idem_sweep_batch = 1000;
 int			idem_max_response_size = 1024 * 1024;
 int			idem_sweep_interval_ms = 60 * 1000;
 int			idem_stats_exact_limit = 1024;	/* blocks: 8 MB */
+#ifdef IDEM_TEST_PAUSES
+int			idem_test_token_block = 0;
+#endif
 
 /*
  * Define the settings.  Units follow the values users think in: a lease in
@@ -91,6 +94,20 @@ idem_guc_init(void)
 
 #ifdef IDEM_TEST_PAUSES
 	idem_pause_init();
+
+	/*
+	 * Test builds only: how many tokens a refill of a token block reserves
+	 * (0: the built-in size), so that tests can use blocks up and refill them
+	 * within a few claims.  Every backend that refills uses its own value:
+	 * tests set it for the server.
+	 */
+	DefineCustomIntVariable("idempotency.test_token_block",
+							"Tokens a token block refill reserves (test builds only).",
+							NULL,
+							&idem_test_token_block,
+							0, 0, INT_MAX,
+							PGC_SUSET, GUC_NOT_IN_SAMPLE | GUC_NO_SHOW_ALL,
+							NULL, NULL, NULL);
 #endif
 	MarkGUCPrefixReserved("idempotency");
 }

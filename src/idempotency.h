@@ -13,8 +13,10 @@
  *	  fingerprint.c  SHA-256 request fingerprints and lock hashes
  *	  row.c          reading keys: the index probe, fetches, the sweep's scan
  *	  catalog.c      the key store's relations, found and checked
- *	  write.c        every change to a key, by one table of write rules;
- *	                 the fencing token sequence
+ *	  write.c        every change to a key, by one table of write rules
+ *	  token.c        the fencing token sequence: blocks of tokens reserved
+ *	                 ahead in shared memory, or nextval, made durable
+ *	                 before a token leaves
  *	  keylock.c      the per-key advisory lock and the write counters
  *	  wait.c         waiting for an in-flight attempt: shared-memory
  *	                 waiter slots and the wake-up at commit or abort
@@ -95,6 +97,9 @@ extern int	idem_sweep_batch;
 extern int	idem_max_response_size;
 extern int	idem_sweep_interval_ms;
 extern int	idem_stats_exact_limit;
+#ifdef IDEM_TEST_PAUSES
+extern int	idem_test_token_block;
+#endif
 extern void idem_guc_init(void);
 
 /* ---- pause.c ---- */
@@ -233,18 +238,6 @@ IDEM_NORETURN extern void idem_catalog_refuse_replaced(const char *what);
 IDEM_NORETURN extern void idem_catalog_refuse_missing(const char *what);
 
 /* ---- write.c ---- */
-extern int64 idem_write_next_token(void);
-extern int64 idem_write_claim_token(const IdemRow *old);
-
-/* The token flush state of a batch around another (write.c). */
-typedef struct IdemTokenBatch
-{
-	bool		deferred;
-	XLogRecPtr	lsn;
-} IdemTokenBatch;
-
-extern void idem_write_defer_token_flush(IdemTokenBatch *outer);
-extern void idem_write_flush_tokens(const IdemTokenBatch *outer, bool flush);
 extern void idem_write_insert_claim(text *scope, text *key, int64 token,
 									const uint8 *fingerprint,
 									TimestampTz now, TimestampTz lease_until,
@@ -285,6 +278,21 @@ typedef struct IdemSweepItem
 
 extern int	idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items,
 							 int n);
+
+/* ---- token.c ---- */
+extern const IdemShmemPart idem_token_shmem;
+extern int64 idem_token_next(void);
+extern int64 idem_token_claim(const IdemRow *old);
+
+/* The token flush state of a batch around another (token.c). */
+typedef struct IdemTokenBatch
+{
+	bool		deferred;
+	XLogRecPtr	lsn;
+} IdemTokenBatch;
+
+extern void idem_token_defer_flush(IdemTokenBatch *outer);
+extern void idem_token_flush(const IdemTokenBatch *outer, bool flush);
 
 /* ---- keylock.c ---- */
 extern const IdemShmemPart idem_key_shmem;

@@ -43,6 +43,7 @@ static const IdemShmemPart *const shmem_parts[] = {
 	&idem_stats_shmem,
 	&idem_worker_shmem,
 	&idem_session_shmem,
+	&idem_token_shmem,
 	&idem_citus_shmem,
 };
 

@@ -113,7 +113,7 @@ idem_session_bind(void)
 		if (idem_lock_held_by_me(&tag, ExclusiveLock))
 			return my_session;
 	}
-	my_session = idem_write_next_token();
+	my_session = idem_token_next();
 	session_tag(&tag, my_session);
 	if (LockAcquire(&tag, ExclusiveLock, true, true) == LOCKACQUIRE_NOT_AVAIL)
 		ereport(ERROR,

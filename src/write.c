@@ -1,7 +1,7 @@
 /*-------------------------------------------------------------------------
  *
  * write.c
- *	  Every change to idempotency.keys, and the fencing token sequence.
+ *	  Every change to idempotency.keys.
  *
  * Owns the write rules: one table (write_rules) says, for each kind of
  * write, whether it inserts, updates or deletes, which columns it sets,
@@ -28,21 +28,14 @@
 #include "access/relation.h"
 #include "access/table.h"
 #include "access/xact.h"
-#include "access/xlog.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_depend.h"
 #include "catalog/pg_namespace.h"
 #include "catalog/pg_class.h"
 #include "catalog/pg_type.h"
-#include "commands/sequence.h"
 #include "executor/spi.h"
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
-#include "replication/syncrep.h"
-#include "replication/walsender.h"
-#include "replication/walsender_private.h"
-#include "storage/lwlock.h"
-#include "storage/bufmgr.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
@@ -806,175 +799,4 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 	done = write_apply(kinds[work], rows, n);
 	pfree(rows);
 	return done;
-}
-
-/*
- * While a batch hands out its tokens (idem_write_defer_token_flush ..
- * idem_write_flush_tokens), the WAL position its tokens need flushed.
- */
-static bool token_flush_deferred = false;
-static XLogRecPtr token_flush_lsn = InvalidXLogRecPtr;
-
-/*
- * The WAL position up to which the token sequence's values are durable:
- * the LSN of its page.  A sequence logs its position ahead (every 32
- * values, and at the first nextval after a checkpoint) and sets the page's
- * LSN to that record; the values handed out until the next such record,
- * by any backend, are covered by it.
- */
-static XLogRecPtr
-token_sequence_lsn(Oid seqid)
-{
-	Relation	seqrel = relation_open(seqid, AccessShareLock);
-	Buffer		buf = ReadBuffer(seqrel, 0);
-	XLogRecPtr	lsn;
-
-	/* nextval sets the LSN under the exclusive content lock */
-	LockBuffer(buf, BUFFER_LOCK_SHARE);
-	lsn = PageGetLSN(BufferGetPage(buf));
-	UnlockReleaseBuffer(buf);
-	relation_close(seqrel, NoLock);
-	return lsn;
-}
-
-/*
- * Has every synchronous standby that a commit would wait for confirmed
- * the WAL up to "lsn" (or is there none to wait for)?  The same test as
- * SyncRepWaitForLSN's.  Since the minor releases of May 2025 the shared
- * state has a flag saying whether the checkpointer has set it up yet;
- * until then, the setting decides.  Which layout the running server has is
- * told by its version, not by the headers this library was built with.
- */
-static bool
-token_on_standbys(XLogRecPtr lsn)
-{
-	static int	server_version = 0;
-	bool		done;
-	int			mode;
-	uint8		status;
-	bool		has_init_flag;
-
-	if (!SyncRepRequested())
-		return true;
-	if (server_version == 0)
-		server_version = atoi(GetConfigOption("server_version_num", false, false));
-	has_init_flag = server_version >= 170005 ||
-		(server_version >= 160009 && server_version < 170000) ||
-		(server_version >= 150013 && server_version < 160000);
-	/* what SyncRepWaitForLSN waits for outside a commit */
-	mode = synchronous_commit == SYNCHRONOUS_COMMIT_REMOTE_WRITE ?
-		SYNC_REP_WAIT_WRITE : SYNC_REP_WAIT_FLUSH;
-	LWLockAcquire(SyncRepLock, LW_SHARED);
-	status = IDEM_SYNC_STANDBYS_FIELD(WalSndCtl);
-	if (!has_init_flag)
-		done = status == 0 || lsn <= WalSndCtl->lsn[mode];
-	else if (status & IDEM_SYNC_STANDBY_INIT)
-		done = (status & IDEM_SYNC_STANDBY_DEFINED) == 0 ||
-			lsn <= WalSndCtl->lsn[mode];
-	else
-		done = lsn <= WalSndCtl->lsn[mode] ||
-			SyncRepStandbyNames == NULL || SyncRepStandbyNames[0] == '\0';
-	LWLockRelease(SyncRepLock);
-	return done;
-}
-
-/*
- * Make the sequence record at "lsn" as durable as a commit would be before
- * a token it covers leaves the server: flushed here, and confirmed by the
- * synchronous standbys a commit waits for, so that a standby promoted
- * after a failover never hands the token out again.  Both return at once
- * when that is so already (the sequence logs every 32 values).  A cancel
- * during the standby wait ends the wait with PostgreSQL's warning; the
- * token then does not leave (57014).
- */
-static void
-token_make_durable(XLogRecPtr lsn)
-{
-	XLogFlush(lsn);
-	if (token_on_standbys(lsn))
-		return;
-	HOLD_INTERRUPTS();
-	SyncRepWaitForLSN(lsn, false);
-	RESUME_INTERRUPTS();
-	CHECK_FOR_INTERRUPTS();
-	if (!token_on_standbys(lsn))
-		ereport(ERROR,
-				(errcode(ERRCODE_QUERY_CANCELED),
-				 errmsg("canceling the wait for the synchronous standby to confirm a fencing token"),
-				 errdetail("The standby had not confirmed the token's sequence record yet; no token was handed out.")));
-}
-
-/*
- * The next fencing token: larger than every token issued before, even
- * across a crash or a failover to a synchronous standby.  The sequence
- * record that covers a value may have been written by another backend and
- * not be flushed yet (flushing is left to commit), so a token of a
- * transaction that never commits, or of one cut short by a crash, could be
- * issued again after the crash.  The caller may already have passed the
- * token to a downstream system: make the record durable
- * (token_make_durable) before the token leaves the server, now, or, in a
- * batch, once when the batch returns its tokens.
- */
-int64
-idem_write_next_token(void)
-{
-	Oid			seqid = idem_catalog()->token_seq;
-	int64		token;
-	XLogRecPtr	lsn;
-
-	token = nextval_internal(seqid, false);
-	lsn = token_sequence_lsn(seqid);
-	if (token_flush_deferred)
-		token_flush_lsn = Max(token_flush_lsn, lsn);
-	else
-		token_make_durable(lsn);
-	return token;
-}
-
-/*
- * The token of a claim that writes over "old" (NULL: a new key): the next
- * one, and on a distributed table also above the key's current token (a
- * shard may have moved here from a node whose sequence was ahead).
- */
-int64
-idem_write_claim_token(const IdemRow *old)
-{
-	int64		token = idem_write_next_token();
-
-	if (idem_catalog()->shardid != 0)
-		token = idem_citus_claim_token(token, old != NULL && old->has_token ?
-									   old->token : 0);
-	return token;
-}
-
-/*
- * A batch of claims begins: the tokens it draws reach the client only when
- * it returns, so their WAL is flushed once then (idem_write_flush_tokens)
- * instead of every 32 tokens.  "outer" keeps the state of a batch this one
- * runs inside (a trigger on the table that calls idem_claim_many), which
- * idem_write_flush_tokens restores; it must follow, also on error (with
- * flush false: no token leaves).
- */
-void
-idem_write_defer_token_flush(IdemTokenBatch *outer)
-{
-	outer->deferred = token_flush_deferred;
-	outer->lsn = token_flush_lsn;
-	token_flush_deferred = true;
-	token_flush_lsn = InvalidXLogRecPtr;
-}
-
-/*
- * The batch's tokens are about to leave: make durable what they need (if
- * "flush"), and go back to the state of the batch around it, if any.
- */
-void
-idem_write_flush_tokens(const IdemTokenBatch *outer, bool flush)
-{
-	XLogRecPtr	lsn = token_flush_lsn;
-
-	token_flush_deferred = outer->deferred;
-	token_flush_lsn = outer->lsn;
-	if (flush && lsn != InvalidXLogRecPtr)
-		token_make_durable(lsn);
 }

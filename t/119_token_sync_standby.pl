@@ -4,24 +4,32 @@
 # 119_token_sync_standby.pl: with a synchronous standby, no fencing token
 # leaves the primary before the standby has confirmed the sequence record
 # that covers it, as a commit waits for it, so that a failover to that
-# standby never hands the token out again.  A sequence logs its position
-# 32 values ahead: a client that draws more than 32 tokens in an open
-# transaction gets past the position the standby knows.
+# standby never hands the token out again.  The library is preloaded, so
+# tokens come from a block that a refill reserves ahead of need; the blocks
+# here hold a single token (idempotency.test_token_block = 1, a test
+# build's setting), so every claim refills, and a refill moves the limit up
+# only once the standby has confirmed its sequence record.
 #
 # What it proves, with the standby stopped (it confirms nothing):
 #   - a claim inside an open transaction waits for the standby (wait event
-#     SyncRep); a cancel ends the wait with query_canceled (57014) and no
-#     token;
-#   - a batch of 40 claims in an open transaction waits too and returns
-#     its tokens only once the standby is started again and has confirmed;
+#     SyncRep) in the refill after its draw; a cancel ends the wait with
+#     query_canceled (57014) and no token;
+#   - a claim that finds the block used up waits for the refill under way
+#     in another session (wait event Extension); when that refill is
+#     cancelled (57014, no token), the waiting claim refills itself and
+#     waits for the standby in turn;
+#   - a batch of 40 claims in an open transaction waits too, and it and the
+#     waiting claim return their tokens only once the standby is started
+#     again and has confirmed;
 #   - after the primary crashes (an immediate stop) and the standby is
 #     promoted, every token the new primary issues is above every token a
 #     client saw, none is issued again, and nothing of the open
 #     transactions is stored.
 #
 # The SQL edition cannot wait for a standby from SQL: the file is skipped
-# there.  Run as described at the top of t/001_restart.pl.  Ports 55461
-# and 55462 only name the socket files.
+# there; a build without test settings skips it too.  Run as described at
+# the top of t/001_restart.pl.  Ports 55461 and 55462 only name the socket
+# files.
 
 use strict;
 use warnings FATAL => 'all';
@@ -39,8 +47,14 @@ skip_sql_edition('its token calls flush the WAL but cannot wait for a '
 
 my $primary = new_node('primary', port => 55461,
 	init => [ allows_streaming => 1 ],
-	conf => ["idempotency.sweep_interval = 0"],
+	conf => ["idempotency.sweep_interval = 0", "idempotency.test_token_block = 1"],
 	extension => 1);
+if ($primary->safe_psql('postgres',
+		"SELECT current_setting('idempotency.test_token_block', true) IS NULL") eq 't')
+{
+	$primary->stop;
+	plan(skip_all => 'needs a test build (make IDEM_TEST_PAUSES=1)');
+}
 # The base backup is taken before the standby is named synchronous, so the
 # promoted standby does not wait for a standby of its own.
 my $standby = new_standby($primary, 'sync_standby', port => 55462);
@@ -62,15 +76,15 @@ push @seen, $c->{token};
 $primary->wait_for_catchup($standby);
 
 $standby->stop;
-# The next nextval writes a sequence record the standby does not have.
-sql('CHECKPOINT');
 
 # Start "$select" in an open transaction of a session of its own, and
-# return once the call waits or has returned.  The condition names the
-# call's query, so that the session's BEGIN does not count as returned.
+# return once the call waits (on wait event $event, SyncRep if not given)
+# or has returned.  The condition names the call's query, so that the
+# session's BEGIN does not count as returned.
 sub start_call
 {
-	my ($what, $select, $match) = @_;
+	my ($what, $select, $match, $event) = @_;
+	$event //= 'SyncRep';
 	my $s = $primary->background_psql('postgres', on_error_stop => 0);
 	my $pid = $s->query_safe('SELECT pg_backend_pid()');
 	$s->query_safe('BEGIN');
@@ -79,12 +93,12 @@ sub start_call
 	my $call = { what => $what, s => $s, pid => $pid, buf => $buf };
 	ok( $primary->poll_query_until(
 			'postgres',
-			"SELECT query LIKE '%$match%' AND (wait_event IS NOT DISTINCT FROM 'SyncRep' "
+			"SELECT query LIKE '%$match%' AND (wait_event IS NOT DISTINCT FROM '$event' "
 			  . "OR state <> 'active') FROM pg_stat_activity WHERE pid = $pid"),
 		"$what: the call waits or has returned");
 	$call->{waiting} = sql("SELECT coalesce(wait_event, state) FROM pg_stat_activity "
-		  . "WHERE pid = $pid") eq 'SyncRep';
-	ok($call->{waiting}, "$what: the call waits for the synchronous standby (SyncRep)");
+		  . "WHERE pid = $pid") eq $event;
+	ok($call->{waiting}, "$what: the call waits ($event)");
 	return $call;
 }
 
@@ -125,27 +139,62 @@ like($cancel->{s}{stderr}, qr/ERROR:\s+57014:/, 'cancel: the call fails with 570
 $cancel->{s}->query('ROLLBACK');
 $cancel->{s}->quit;
 
-# --- a batch of more than 32 tokens -------------------------------------------
+# --- a claim that waits for another session's refill --------------------------
+my $refiller = start_call('refiller',
+	"SELECT token FROM idempotency.idem_claim('refiller', scope => 'sync')",
+	"idem_claim(''refiller''");
+my $waiter = start_call('waiter',
+	"SELECT token FROM idempotency.idem_claim('waiter', scope => 'sync')",
+	"idem_claim(''waiter''", 'Extension');
+if ($refiller->{waiting})
+{
+	is(sql("SELECT pg_cancel_backend($refiller->{pid})"), 't',
+		'refiller: pg_cancel_backend signals the refilling backend');
+}
+$out = call_output($refiller);
+push @seen, grep { /^\d+$/ } split /\n/, $out;
+is($out, '', 'refiller: the call returns no token');
+like($refiller->{s}{stderr}, qr/ERROR:\s+57014:/, 'refiller: the call fails with 57014');
+$refiller->{s}->query('ROLLBACK');
+$refiller->{s}->quit;
+ok( $primary->poll_query_until(
+		'postgres',
+		"SELECT wait_event IS NOT DISTINCT FROM 'SyncRep' OR state <> 'active' "
+		  . "FROM pg_stat_activity WHERE pid = $waiter->{pid}"),
+	'waiter: the call waits or has returned');
+is(sql("SELECT coalesce(wait_event, state) FROM pg_stat_activity "
+		. "WHERE pid = $waiter->{pid}"), 'SyncRep',
+	'waiter: the call now refills itself and waits for the synchronous standby');
+still_waiting($waiter);
+
+# --- a batch of 40 tokens --------------------------------------------------------
 my @keys = map { "f$_" } 1 .. 40;
 my $batch = start_call('batch',
 	"SELECT token FROM idempotency.idem_claim_many(ARRAY['"
 	  . join("', '", @keys)
 	  . "'], scope => 'sync') ORDER BY ord",
-	'idem_claim_many');
+	'idem_claim_many', 'Extension');
 if ($batch->{waiting})
 {
 	still_waiting($batch);
-	# Its tokens leave once the standby has confirmed their record.
+	# Their tokens leave once the standby has confirmed their records.
 	$standby->start;
 }
 my @tokens = split /\n/, call_output($batch);
 is(scalar(grep { /^\d+$/ } @tokens), 40, 'batch: the call returns 40 tokens');
 cmp_ok(min(@tokens), '>', max(@seen), 'batch: its tokens are above the earlier ones');
-push @seen, @tokens;
+my @waited = grep { /^\d+$/ } split /\n/, call_output($waiter);
+is(scalar(@waited), 1, 'waiter: the call returns its token');
+cmp_ok($waited[0], '>', max(@seen), 'waiter: its token is above the earlier ones');
+push @seen, @tokens, @waited;
+my %count;
+$count{$_}++ for @seen;
+is(join(',', grep { $count{$_} > 1 } keys %count), '', 'no token is handed out twice');
 
 # --- failover, the batch's transaction still open ----------------------------
 $primary->stop('immediate');
 $batch->{s}{run}->kill_kill;
+$waiter->{s}{run}->kill_kill;
 $standby->start unless $batch->{waiting};
 $standby->promote;
 ok($standby->poll_query_until('postgres', 'SELECT NOT pg_is_in_recovery()'),

@@ -143,8 +143,10 @@ push @tokens, $rolled_back;
 
 is(sql('src', "SELECT count(*) FROM idempotency.keys WHERE key IN ('released', 'rolled-back')"),
 	'0', 'src: released and rolled-back claims left no row');
-is(sql('src', 'SELECT last_value FROM idempotency.token_seq'),
-	max_token(), 'src: the sequence stands at the largest token issued');
+# With the library preloaded the sequence stands at the end of the block
+# tokens are drawn from; without it, at the last token.
+cmp_ok(sql('src', 'SELECT last_value FROM idempotency.token_seq'),
+	'>=', max_token(), 'src: the sequence stands at or above the largest token issued');
 
 # What must come back, column for column.
 my $rows_sql =

@@ -324,9 +324,14 @@ foreach my $rel (@released)
 		"$db: live succeeded at attempt 1 with that token, its last phase kept");
 
 	# The stale key: taken over, checkpointed, taken over again.
+	# Every token issued before: those the test saw, and those stored.  (With
+	# the library preloaded the sequence stands at the end of a block, not
+	# at the last token.)
+	my $issued = sql($db, 'SELECT max(token) FROM idempotency.keys');
+	$issued = $_ > $issued ? $_ : $issued for values %tok;
 	$c = claim($node, $db, q{'stale', request => '{"k": "stale"}', lease => '1 second'});
 	is("$c->{outcome},$c->{attempt}", 'claimed,2', "$db: stale is taken over: attempt 2");
-	cmp_ok($c->{token}, '>', $seq, "$db: with a token above every token issued before");
+	cmp_ok($c->{token}, '>', $issued, "$db: with a token above every token issued before");
 	my $row = stored_row($node, $db, '', 'stale');
 	is(sqlstate_of($node, $db, "SELECT idempotency.idem_finish('stale', $tok{stale}, 200)"),
 		'55006', "$db: the token from before the takeover is dead (55006)");
