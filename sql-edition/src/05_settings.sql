@@ -82,8 +82,11 @@ DECLARE
 	trusted bigint := dflt;
 	t text;
 BEGIN
-	IF NOT superuser_only OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
-							  WHERE r.rolname OPERATOR(pg_catalog.=) session_user) THEN
+	-- any session may lower the limit for itself: only a higher value is
+	-- checked against the trusted one
+	IF NOT superuser_only OR (v OPERATOR(pg_catalog.>=) 0 AND v OPERATOR(pg_catalog.<=) dflt)
+	   OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r
+		   WHERE r.rolname OPERATOR(pg_catalog.=) session_user) THEN
 		RETURN v;
 	END IF;
 	SELECT pg_catalog.substr(c, pg_catalog.strpos(c, '=') OPERATOR(pg_catalog.+) 1) INTO t
@@ -137,14 +140,15 @@ END;
 $$;
 
 /*
- * idempotency.max_response_size in bytes: the default unless set, so that
- * the usual case reads one setting (an inlined SQL function).
+ * idempotency.max_response_size in bytes: the default unless set (or set
+ * to the default as the C library shows it), so that the usual case reads
+ * one setting (an inlined SQL function).
  */
 CREATE OR REPLACE FUNCTION idempotency._response_limit()
 RETURNS bigint
 LANGUAGE sql STABLE
-RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.max_response_size', true), '')
-			OPERATOR(pg_catalog.=) '' THEN 1048576
+RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.max_response_size', true), '1MB')
+			OPERATOR(pg_catalog.=) ANY (ARRAY['', '1MB', '1048576']) THEN 1048576
 	ELSE idempotency._guc_bytes('idempotency.max_response_size', 1048576, true) END;
 
 /* A key, scope or phase: not NULL, at most 255 characters, maybe not empty. */
