@@ -178,6 +178,10 @@ BEGIN
 		expires := GREATEST(now OPERATOR(pg_catalog.+) ret, lease_until);
 
 		IF NOT p.present THEN
+			-- The token first, and the WAL position just after it: the
+			-- lane's lock writes WAL too, which the token need not wait for.
+			token := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
+			token_lsn := pg_catalog.pg_current_wal_insert_lsn();
 			-- Another transaction inserting a key of this lane holds its
 			-- lock (see key_lanes): in_progress, without waiting.
 			PERFORM FROM idempotency.key_lanes kl
@@ -187,11 +191,9 @@ BEGIN
 			   FOR NO KEY UPDATE SKIP LOCKED;
 			IF NOT FOUND THEN
 				outcome := 'in_progress'; retry_after := 1; busy := 'lane';
-				lease_until := NULL;
+				token := NULL; lease_until := NULL; token_lsn := NULL;
 				RETURN;
 			END IF;
-			token := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
-			token_lsn := pg_catalog.pg_current_wal_insert_lsn();
 			IF r.verdict OPERATOR(pg_catalog.&) 4 OPERATOR(pg_catalog.=) 0 THEN
 				-- No other claim inserts this key now (we hold its lane): a
 				-- conflict is a claim that committed since the read.
