@@ -118,6 +118,7 @@ DECLARE
 	saved jsonb;
 	n bigint;
 	rounds integer := 0;
+	held_rounds integer := 0;
 BEGIN
 	wrote := false;
 	IF pg_catalog.to_regclass('idempotency.keys') IS NULL OR
@@ -255,7 +256,15 @@ BEGIN
 							ELSE 'The sweeper reset the key after its lease ended.' END,
 						  HINT = 'Another attempt took the claim over, or this token never held it: do not store this attempt''s result.';
 			END IF;
-			-- the token is current, and another transaction holds the row
+			-- The token is current, and another transaction holds the row.
+			-- That may be another token call asking the row's locks
+			-- (_row_hold takes each for an instant): ask again for a few
+			-- milliseconds before refusing.
+			IF row_held AND held_rounds OPERATOR(pg_catalog.<) 20 THEN
+				held_rounds := held_rounds OPERATOR(pg_catalog.+) 1;
+				PERFORM pg_catalog.pg_sleep(0.001);
+				CONTINUE;
+			END IF;
 			IF row_held THEN
 				RAISE EXCEPTION 'could not % idempotency key %', kind, disp
 					USING ERRCODE = '55P03',
