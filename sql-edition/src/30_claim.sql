@@ -23,6 +23,18 @@
  */
 
 /*
+ * The lane of (scope, key) in key_lanes: the scope's byte length first,
+ * so that ("ab", "c") and ("a", "bc") differ.  An inlined SQL function:
+ * the claim that locks a lane and the waiter that waits on it compute the
+ * same number.
+ */
+CREATE OR REPLACE FUNCTION idempotency._key_lane(scope text, key text)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text OPERATOR(pg_catalog.||) ':'
+	OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key) OPERATOR(pg_catalog.&) 262143;
+
+/*
  * One claim of (p_scope, p_key) for the role p_who (its oid p_role), the
  * arguments checked: answered from one read of the key, its binding and
  * the store's verdict when that read can answer (a replay, a mismatch, a
@@ -185,9 +197,7 @@ BEGIN
 			-- Another transaction inserting a key of this lane holds its
 			-- lock (see key_lanes): in_progress, without waiting.
 			PERFORM FROM idempotency.key_lanes kl
-			 WHERE kl.lane OPERATOR(pg_catalog.=) (pg_catalog.hashtext(pg_catalog.octet_length(p_scope)::text
-					OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) p_scope OPERATOR(pg_catalog.||) p_key)
-					OPERATOR(pg_catalog.&) 262143)
+			 WHERE kl.lane OPERATOR(pg_catalog.=) idempotency._key_lane(p_scope, p_key)
 			   FOR NO KEY UPDATE SKIP LOCKED;
 			IF NOT FOUND THEN
 				outcome := 'in_progress'; retry_after := 1; busy := 'lane';
@@ -350,6 +360,7 @@ SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
 	who name := idempotency._caller();
+	role oid := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
 	w record;
 	fp bytea;
 	deadline timestamptz;
@@ -383,7 +394,7 @@ BEGIN
 	IF request IS NOT NULL THEN
 		fp := pg_catalog.sha256(pg_catalog.convert_to(request::text, pg_catalog.getdatabaseencoding()));
 	END IF;
-	w := idempotency._claim_key(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), key, fp,
+	w := idempotency._claim_key(who, role, key, fp,
 		scope, lease, retention, session_bound);
 	IF w.outcome OPERATOR(pg_catalog.=) 'in_progress' AND NOT w.held
 	   AND wait OPERATOR(pg_catalog.>) '0'::interval THEN
@@ -414,9 +425,7 @@ BEGIN
 				BEGIN
 					PERFORM pg_catalog.set_config('lock_timeout', remaining::text OPERATOR(pg_catalog.||) 'ms', true);
 					PERFORM FROM idempotency.key_lanes kl
-					 WHERE kl.lane OPERATOR(pg_catalog.=) (pg_catalog.hashtext(pg_catalog.octet_length(idem_claim.scope)::text
-							OPERATOR(pg_catalog.||) ':' OPERATOR(pg_catalog.||) idem_claim.scope
-							OPERATOR(pg_catalog.||) idem_claim.key) OPERATOR(pg_catalog.&) 262143)
+					 WHERE kl.lane OPERATOR(pg_catalog.=) idempotency._key_lane(idem_claim.scope, idem_claim.key)
 					   FOR SHARE;
 					RAISE EXCEPTION 'waited' USING ERRCODE = 'IDW01';
 				EXCEPTION WHEN SQLSTATE 'IDW01' OR lock_not_available THEN
@@ -431,7 +440,7 @@ BEGIN
 				PERFORM pg_catalog.pg_sleep(GREATEST(sleep, 0.0005));
 				pause := LEAST(pause OPERATOR(pg_catalog.*) 2, 0.01);
 			END IF;
-			w := idempotency._claim_key(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), key, fp,
+			w := idempotency._claim_key(who, role, key, fp,
 				scope, lease, retention, session_bound);
 			EXIT WHEN w.outcome OPERATOR(pg_catalog.<>) 'in_progress' OR w.held;
 		END LOOP;
