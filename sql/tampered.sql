@@ -68,4 +68,18 @@ SELECT status, attempt FROM idempotency.idem_lookup('t1', 'tampered');
 SELECT idempotency.idem_finish(key, token, 200, scope => 'tampered') IS NOT NULL AS finished
   FROM idempotency.keys WHERE scope = 'tampered' ORDER BY key;
 SELECT key, status, attempt FROM idempotency.keys WHERE scope = 'tampered' ORDER BY key;
+
+-- the same changes to a finished key, whose replay a single read answers:
+-- refused all the same, and replayed again once undone
+BEGIN;
+UPDATE idempotency.keys SET status = 'done' WHERE scope = 'tampered' AND key = 't1';
+SELECT pg_temp.err($$SELECT idempotency.idem_claim('t1', '{"v": 1}', 'tampered')$$);
+SELECT pg_temp.err($$SELECT idempotency.idem_claim('t1', '{"v": 2}', 'tampered')$$);
+ROLLBACK;
+BEGIN;
+UPDATE idempotency.keys SET fingerprint = '\x00ff' WHERE scope = 'tampered' AND key = 't1';
+SELECT pg_temp.err($$SELECT idempotency.idem_claim('t1', '{"v": 1}', 'tampered')$$);
+ROLLBACK;
+SELECT outcome, status, response_code FROM idempotency.idem_claim('t1', '{"v": 1}', 'tampered');
+SELECT outcome, status FROM idempotency.idem_claim('t1', '{"v": 2}', 'tampered');
 DELETE FROM idempotency.keys WHERE scope = 'tampered';

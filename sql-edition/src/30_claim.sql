@@ -337,7 +337,15 @@ $$;
 
 /*
  * idem_claim: check the arguments, claim, and with "wait" wait until the
- * attempt in flight settles or its lease ends.  A key another transaction
+ * attempt in flight settles or its lease ends.  Most calls of a busy key
+ * are answered by its first statement alone: with plain arguments, one
+ * query reads the key, the caller's binding and the store's verdict and
+ * answers a replay, a mismatch or a live claim of another attempt (without
+ * "wait") when the key's newest version is committed and untouched
+ * (xmax = 0), the row sound, the scope allowed and not past retention.
+ * Everything else (a new or expired key, a takeover, a row being changed,
+ * a claim of this transaction, a refusal, a bad argument) takes the full
+ * path below, which decides again from scratch.  A key another transaction
  * holds (a claim, takeover, finish, release or sweep not committed yet) is
  * waited for as PostgreSQL waits for that transaction, on the row's lock
  * or the key's lane's, so the wait ends when that transaction (or the
@@ -359,8 +367,8 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-	who name := idempotency._caller();
-	role oid := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
+	who name;
+	role oid;
 	w record;
 	fp bytea;
 	deadline timestamptz;
@@ -369,6 +377,68 @@ DECLARE
 	sleep double precision;
 	remaining bigint;
 BEGIN
+	IF NOT (key IS NULL OR pg_catalog.octet_length(key) OPERATOR(pg_catalog.=) 0 OR
+			pg_catalog.octet_length(key) OPERATOR(pg_catalog.>) 255 OR
+			scope IS NULL OR pg_catalog.octet_length(scope) OPERATOR(pg_catalog.>) 255 OR
+			wait IS NULL OR wait OPERATOR(pg_catalog.<) '0'::interval OR session_bound IS NULL OR
+			(lease IS NOT NULL AND NOT (lease OPERATOR(pg_catalog.>) '0'::interval AND
+				lease OPERATOR(pg_catalog.<=) '10000 years'::interval AND
+				pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) lease OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp())) OR
+			(retention IS NOT NULL AND NOT (retention OPERATOR(pg_catalog.>) '0'::interval AND
+				retention OPERATOR(pg_catalog.<=) '10000 years'::interval AND
+				pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) retention OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp())) OR
+			pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean OR
+			pg_catalog.to_regclass('idempotency.keys') IS NULL OR
+			pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL) THEN
+		-- One read answers, or says nothing (the full path then decides).
+		SELECT CASE
+				 WHEN v.verdict IS NULL THEN NULL
+				 WHEN b.role IS NOT NULL AND (b.scope_prefix IS NULL OR
+					  NOT pg_catalog.starts_with(idem_claim.scope, b.scope_prefix)) THEN NULL
+				 WHEN k.ctid IS NULL OR k.xmax OPERATOR(pg_catalog.<>) '0'::xid OR
+					  k.expires_at OPERATOR(pg_catalog.<=) v.now OR
+					  pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 THEN NULL
+				 WHEN k.fingerprint IS DISTINCT FROM v.fp THEN
+					  CASE WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'succeeded', 'failed'])
+						   THEN 'mismatch' END
+				 WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['succeeded', 'failed']) THEN 'replay'
+				 WHEN k.status OPERATOR(pg_catalog.=) 'pending' AND
+					  idem_claim.wait OPERATOR(pg_catalog.=) '0'::interval AND
+					  k.token IS NOT NULL AND k.owner_session IS NULL AND
+					  k.lease_until OPERATOR(pg_catalog.>) v.now AND
+					  (COALESCE(v.first, '') OPERATOR(pg_catalog.=) '' OR
+					   k.token OPERATOR(pg_catalog.<) v.first::bigint) THEN 'in_progress'
+				 END AS outcome,
+			   k.status, k.response_code, k.response_body,
+			   LEAST(GREATEST(pg_catalog.ceil(EXTRACT(epoch FROM k.lease_until OPERATOR(pg_catalog.-) v.now)), 1),
+					 2147483647)::integer AS retry_after
+		  INTO w
+		  FROM (SELECT idempotency._store_verdict() AS verdict,
+					   pg_catalog.clock_timestamp() AS now,
+					   CASE WHEN idem_claim.request IS NOT NULL THEN
+						   pg_catalog.sha256(pg_catalog.convert_to(idem_claim.request::text,
+							   pg_catalog.getdatabaseencoding())) END AS fp,
+					   pg_catalog.current_setting('idempotency_sql.xact_first_token', true) AS first,
+					   pg_catalog.to_regrole(pg_catalog.quote_ident(idempotency._caller())) AS role) v
+		  LEFT JOIN idempotency.scope_bindings b
+			ON b.role::pg_catalog.oid OPERATOR(pg_catalog.=) v.role
+		  LEFT JOIN idempotency.keys k
+			ON k.scope OPERATOR(pg_catalog.=) idem_claim.scope
+		   AND k.key OPERATOR(pg_catalog.=) idem_claim.key;
+		IF w.outcome OPERATOR(pg_catalog.=) 'replay' THEN
+			RETURN NEXT ROW('replay', NULL, NULL, w.status, w.response_code,
+				w.response_body, NULL, NULL, NULL)::idempotency.claim_result;
+			RETURN;
+		ELSIF w.outcome IS NOT NULL THEN
+			RETURN NEXT ROW(w.outcome, NULL, NULL, NULL, NULL, NULL,
+				CASE WHEN w.outcome OPERATOR(pg_catalog.=) 'in_progress' THEN w.retry_after END,
+				NULL, NULL)::idempotency.claim_result;
+			RETURN;
+		END IF;
+	END IF;
+
+	who := idempotency._caller();
+	role := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
 	IF key IS NULL OR pg_catalog.octet_length(key) OPERATOR(pg_catalog.=) 0 OR
 	   pg_catalog.octet_length(key) OPERATOR(pg_catalog.>) 255 THEN
 		PERFORM idempotency._check_name(key, 'key', false);
