@@ -12,7 +12,10 @@ extra: the last run's keys, overwritten by this run's, except
     run.N for each row N in ROWS, which the report prints;
   - sizes of particular rows (n_replay ...): overwritten only when one of
     their rows is in ROWS;
-  - verification warnings of the labels this run measured again: dropped.
+  - verification warnings of the labels this run measured again: dropped;
+  - a profile (sqlprof_NAME and its sqlprof_NAME.FUNCTION keys) this run
+    took again: the last run's dropped whole, so that a function this run
+    no longer calls does not linger in it.
 A missing BASE file counts as an empty last run."""
 import os
 import sys
@@ -62,6 +65,10 @@ def main():
                 k[14:] == lb or k[14:].startswith(lb + "_") for lb in labels):
             continue
         extra[k] = v
+    profiles = {line.partition("\t")[0] for line in lines(run_extra)
+                if line.startswith("sqlprof_") and "." not in line.partition("\t")[0]}
+    for k in [k for k in extra if k.partition(".")[0] in profiles]:
+        del extra[k]
     general = {}
     for line in lines(run_extra):
         k, _, v = line.partition("\t")

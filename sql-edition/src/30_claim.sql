@@ -316,11 +316,16 @@ $$;
  * position read just after the token was drawn, at or past the end of the
  * sequence record that covers it (the draw that wrote the record held the
  * sequence's buffer lock until it was inserted): nothing to do when the
- * WAL is flushed that far, which it is unless the record is new.  SQL
+ * WAL is flushed that far (with other sessions writing, it seldom is:
+ * their WAL lies before that position too).  SQL
  * cannot flush up to a position: from PostgreSQL 17 on a tiny
  * non-transactional WAL message flushes everything before it
  * (pg_logical_emit_message(..., flush)); before 17 the commit's flush is
- * all there is (documented).
+ * all there is (documented).  Nor can a session remember that the record
+ * covering some later tokens is already flushed: the first draw after a
+ * checkpoint writes a new record for values the older one covered, and
+ * after a crash the sequence resumes from the page that checkpoint wrote,
+ * so only the WAL position after this very draw is safe to flush to.
  */
 CREATE OR REPLACE FUNCTION idempotency._flush_tokens(lsn pg_lsn)
 RETURNS void
