@@ -179,7 +179,11 @@ CALL pg_temp.run_rules('wr-trigger');
 DROP TRIGGER wr_log_row ON idempotency.keys;
 SELECT * FROM pg_temp.shown('wr-trigger') ORDER BY stage, key;
 SELECT stage, expired, reset FROM wr_sweeps WHERE scope = 'wr-trigger' ORDER BY stage;
-SELECT stage, op, key, status, attempt, changed FROM wr_log WHERE scope = 'wr-trigger' ORDER BY n;
+-- in log order, except inside one statement of a sweep, whose rows come in
+-- the heap's order: there by operation and key
+SELECT stage, op, key, status, attempt, changed FROM wr_log WHERE scope = 'wr-trigger'
+ ORDER BY min(n) OVER (PARTITION BY stage), CASE WHEN stage LIKE 'sweep%' THEN op END,
+		  CASE WHEN stage LIKE 'sweep%' THEN key END, n;
 
 -- with rules: statements, and the rules fire
 CREATE RULE wr_log_insert AS ON INSERT TO idempotency.keys DO ALSO
@@ -197,7 +201,9 @@ DROP RULE wr_log_update ON idempotency.keys;
 DROP RULE wr_log_delete ON idempotency.keys;
 SELECT * FROM pg_temp.shown('wr-rule') ORDER BY stage, key;
 SELECT stage, expired, reset FROM wr_sweeps WHERE scope = 'wr-rule' ORDER BY stage;
-SELECT stage, op, key, status, attempt FROM wr_log WHERE scope = 'wr-rule' ORDER BY n;
+SELECT stage, op, key, status, attempt FROM wr_log WHERE scope = 'wr-rule'
+ ORDER BY min(n) OVER (PARTITION BY stage), CASE WHEN stage LIKE 'sweep%' THEN op END,
+		  CASE WHEN stage LIKE 'sweep%' THEN key END, n;
 
 -- with row security enabled (the owner is exempt): statements
 ALTER TABLE idempotency.keys ENABLE ROW LEVEL SECURITY;

@@ -381,6 +381,10 @@ DECLARE
 	pause double precision := 0.001;
 	sleep double precision;
 	remaining bigint;
+	tok bigint;
+	lsn pg_lsn;
+	ls interval;
+	rt interval;
 BEGIN
 	IF NOT (key IS NULL OR pg_catalog.octet_length(key) OPERATOR(pg_catalog.=) 0 OR
 			pg_catalog.octet_length(key) OPERATOR(pg_catalog.>) 255 OR
@@ -400,7 +404,10 @@ BEGIN
 				 WHEN v.verdict IS NULL THEN NULL
 				 WHEN b.role IS NOT NULL AND (b.scope_prefix IS NULL OR
 					  NOT pg_catalog.starts_with(idem_claim.scope, b.scope_prefix)) THEN NULL
-				 WHEN k.ctid IS NULL OR k.xmax OPERATOR(pg_catalog.<>) '0'::xid OR
+				 WHEN k.ctid IS NULL THEN
+					  CASE WHEN v.verdict OPERATOR(pg_catalog.=) 0 AND NOT idem_claim.session_bound
+						   THEN 'fresh' END
+				 WHEN k.xmax OPERATOR(pg_catalog.<>) '0'::xid OR
 					  k.expires_at OPERATOR(pg_catalog.<=) v.now OR
 					  pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 THEN NULL
 				 WHEN k.fingerprint IS DISTINCT FROM v.fp THEN
@@ -416,7 +423,8 @@ BEGIN
 				 END AS outcome,
 			   k.status, k.response_code, k.response_body,
 			   LEAST(GREATEST(pg_catalog.ceil(EXTRACT(epoch FROM k.lease_until OPERATOR(pg_catalog.-) v.now)), 1),
-					 2147483647)::integer AS retry_after
+					 2147483647)::integer AS retry_after,
+			   v.fp, v.first
 		  INTO w
 		  FROM (SELECT idempotency._store_verdict() AS verdict,
 					   pg_catalog.clock_timestamp() AS now,
@@ -434,6 +442,46 @@ BEGIN
 			RETURN NEXT ROW('replay', NULL, NULL, w.status, w.response_code,
 				w.response_body, NULL, NULL, NULL)::idempotency.claim_result;
 			RETURN;
+		ELSIF w.outcome OPERATOR(pg_catalog.=) 'fresh' THEN
+			-- A new key, no code attached to the table: the token, the
+			-- lane's lock and the insert, as _claim_key makes them.  A busy
+			-- lane or a key committed since the read takes the full path.
+			ls := COALESCE(lease,
+				CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.lease', true), '')
+						  OPERATOR(pg_catalog.=) ANY (ARRAY['', '30s']) THEN '00:00:30'::interval
+					 ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END);
+			rt := COALESCE(retention,
+				CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', true), '')
+						  OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
+					 ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END);
+			tok := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
+			lsn := pg_catalog.pg_current_wal_insert_lsn();
+			PERFORM FROM idempotency.key_lanes kl
+			 WHERE kl.lane OPERATOR(pg_catalog.=) idempotency._key_lane(idem_claim.scope, idem_claim.key)
+			   FOR NO KEY UPDATE SKIP LOCKED;
+			IF FOUND THEN
+				now := pg_catalog.clock_timestamp();
+				INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
+					fingerprint, response_code, response_body, created_at, finished_at,
+					lease_until, expires_at, retention, sweep_at, phase, phase_data,
+					owner_session)
+				VALUES (idem_claim.scope, idem_claim.key, 'pending', tok, 1, w.fp,
+					NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
+					GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
+					rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL)
+				ON CONFLICT DO NOTHING;	-- the primary key: the table's only unique index
+				IF FOUND THEN
+					IF COALESCE(w.first, '') OPERATOR(pg_catalog.=) '' THEN
+						PERFORM pg_catalog.set_config('idempotency_sql.xact_first_token', tok::text, true);
+					END IF;
+					IF pg_catalog.pg_current_wal_flush_lsn() OPERATOR(pg_catalog.<) lsn THEN
+						PERFORM idempotency._flush_tokens(lsn);
+					END IF;
+					RETURN NEXT ROW('claimed', tok, 1, NULL, NULL, NULL, NULL, NULL,
+						NULL)::idempotency.claim_result;
+					RETURN;
+				END IF;
+			END IF;
 		ELSIF w.outcome IS NOT NULL THEN
 			RETURN NEXT ROW(w.outcome, NULL, NULL, NULL, NULL, NULL,
 				CASE WHEN w.outcome OPERATOR(pg_catalog.=) 'in_progress' THEN w.retry_after END,
@@ -556,6 +604,13 @@ DECLARE
 	n integer;
 	w record;
 	lsn pg_lsn;
+	ls interval;
+	rt interval;
+	now timestamptz;
+	toks bigint[];
+	lanes integer[];
+	got bigint;
+	made text[];
 BEGIN
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(keys), 'keys', true, keys IS NULL);
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(requests), 'requests', false, requests IS NULL);
@@ -579,7 +634,82 @@ BEGIN
 	END IF;
 	PERFORM idempotency._check_writable('idem_claim_many()');
 	role := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
+	-- A batch of new keys, no code attached to the table, the scope allowed,
+	-- not bound to the session: the tokens drawn in order, every key's lane
+	-- locked without waiting, and the rows inserted by one statement, as
+	-- _claim_key makes each.  When a lane is busy nothing is inserted and
+	-- every element takes the loop below; a key that a claim committed
+	-- since the read (its insert did nothing) takes it alone.
+	IF n OPERATOR(pg_catalog.>) 0 AND NOT session_bound AND
+	   (SELECT v.verdict OPERATOR(pg_catalog.=) 0 AND
+			   (b.role IS NULL OR pg_catalog.starts_with(idem_claim_many.scope, b.scope_prefix))
+		  FROM (SELECT idempotency._store_verdict() AS verdict) v
+		  LEFT JOIN idempotency.scope_bindings b ON b.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(who))) AND
+	   (SELECT pg_catalog.count(DISTINCT u) FROM pg_catalog.unnest(k) u) OPERATOR(pg_catalog.=) n AND
+	   NOT EXISTS (SELECT FROM idempotency.keys kk
+				   WHERE kk.scope OPERATOR(pg_catalog.=) idem_claim_many.scope
+					 AND kk.key OPERATOR(pg_catalog.=) ANY (k)) THEN
+		ls := COALESCE(lease,
+			CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.lease', true), '')
+					  OPERATOR(pg_catalog.=) ANY (ARRAY['', '30s']) THEN '00:00:30'::interval
+				 ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END);
+		rt := COALESCE(retention,
+			CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', true), '')
+					  OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
+				 ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END);
+		toks := ARRAY(SELECT pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass)
+						FROM pg_catalog.generate_series(1, n));
+		lsn := pg_catalog.pg_current_wal_insert_lsn();
+		lanes := ARRAY(SELECT DISTINCT idempotency._key_lane(idem_claim_many.scope, u)
+						 FROM pg_catalog.unnest(k) u);
+		PERFORM FROM idempotency.key_lanes kl
+		 WHERE kl.lane OPERATOR(pg_catalog.=) ANY (lanes)
+		   FOR NO KEY UPDATE SKIP LOCKED;
+		GET DIAGNOSTICS got = ROW_COUNT;
+		IF got OPERATOR(pg_catalog.=) pg_catalog.cardinality(lanes) THEN
+			now := pg_catalog.clock_timestamp();
+			WITH ins AS (
+				INSERT INTO idempotency.keys AS kk (scope, key, status, token, attempt,
+					fingerprint, response_code, response_body, created_at, finished_at,
+					lease_until, expires_at, retention, sweep_at, phase, phase_data,
+					owner_session)
+				SELECT idem_claim_many.scope, u.key, 'pending', u.tok, 1,
+					   CASE WHEN u.req IS NOT NULL THEN
+						   pg_catalog.sha256(pg_catalog.convert_to(u.req::text,
+							   pg_catalog.getdatabaseencoding())) END,
+					   NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
+					   GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
+					   rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL
+				  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(toks), pg_catalog.unnest(req))
+					   WITH ORDINALITY u(key, tok, req, i)
+				 ORDER BY u.i
+				ON CONFLICT DO NOTHING	-- the primary key: the table's only unique index
+				RETURNING kk.key)
+			SELECT pg_catalog.array_agg(ins.key) INTO made FROM ins;
+			IF pg_catalog.cardinality(made) OPERATOR(pg_catalog.>) 0 AND
+			   COALESCE(pg_catalog.current_setting('idempotency_sql.xact_first_token', true), '')
+				   OPERATOR(pg_catalog.=) '' THEN
+				PERFORM pg_catalog.set_config('idempotency_sql.xact_first_token', toks[1]::text, true);
+			END IF;
+			IF pg_catalog.cardinality(made) OPERATOR(pg_catalog.=) n THEN
+				IF pg_catalog.pg_current_wal_flush_lsn() OPERATOR(pg_catalog.<) lsn THEN
+					PERFORM idempotency._flush_tokens(lsn);
+				END IF;
+				RETURN QUERY SELECT u.i::integer, u.key, 'claimed'::text, u.tok, 1,
+					NULL::text, NULL::integer, NULL::jsonb, NULL::integer, NULL::text, NULL::jsonb
+				  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(toks)) WITH ORDINALITY u(key, tok, i);
+				RETURN;
+			END IF;
+		END IF;
+	END IF;
 	FOR i IN 1..n LOOP
+		IF k[i] OPERATOR(pg_catalog.=) ANY (made) THEN
+			ord := i; key := k[i]; outcome := 'claimed'; token := toks[i];
+			attempt := 1; status := NULL; response_code := NULL;
+			response_body := NULL; retry_after := NULL; phase := NULL; phase_data := NULL;
+			RETURN NEXT;
+			CONTINUE;
+		END IF;
 		w := idempotency._claim_key(who, role, k[i],
 			CASE WHEN req[i] IS NOT NULL THEN
 				pg_catalog.sha256(pg_catalog.convert_to(req[i]::text, pg_catalog.getdatabaseencoding())) END,
