@@ -160,7 +160,17 @@ BEGIN
 			action := 'takeover';
 		END IF;
 
-		-- a write
+		-- A write.  Row exclusive on the table first, and the store's
+		-- verdict read again: a lock this transaction did not hold yet makes
+		-- it take in the DDL committed since the read (the verdict's plan is
+		-- made again), and while it holds the lock no trigger, rule or
+		-- policy can be attached.  A read alone takes no such lock, so that
+		-- a replay never waits for a CREATE INDEX.
+		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
+		r.verdict := (SELECT v.verdict
+						FROM (SELECT idempotency._store_verdict() AS verdict,
+									 'idempotency.token_seq'::pg_catalog.regclass AS seq) v
+						LEFT JOIN idempotency.keys k ON false);
 		IF r.verdict OPERATOR(pg_catalog.<>) 0 THEN
 			PERFORM idempotency._refuse_write(r.verdict);
 			saved := idempotency._settings_save();
@@ -400,21 +410,24 @@ BEGIN
 			pg_catalog.to_regclass('idempotency.keys') IS NULL OR
 			pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL) THEN
 		-- One read answers, or says nothing (the full path then decides).
+		-- A replay or a mismatch is answered from a version nobody locked
+		-- (xmax 0) or only its own writer, which has ended or is this
+		-- transaction (xmax = xmin: a token call locks the row it then
+		-- updates, and the new version keeps that lock); a live claim only
+		-- from a version nobody locked.
 		SELECT CASE
-				 WHEN v.verdict IS NULL THEN NULL
-				 WHEN b.role IS NOT NULL AND (b.scope_prefix IS NULL OR
-					  NOT pg_catalog.starts_with(idem_claim.scope, b.scope_prefix)) THEN NULL
+				 WHEN v.verdict IS NULL OR v.refused THEN NULL
 				 WHEN k.ctid IS NULL THEN
 					  CASE WHEN v.verdict OPERATOR(pg_catalog.=) 0 AND NOT idem_claim.session_bound
 						   THEN 'fresh' END
-				 WHEN k.xmax OPERATOR(pg_catalog.<>) '0'::xid OR
-					  k.expires_at OPERATOR(pg_catalog.<=) v.now OR
-					  pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 THEN NULL
+				 WHEN k.expires_at OPERATOR(pg_catalog.<=) v.now OR
+					  pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 OR
+					  (k.xmax OPERATOR(pg_catalog.<>) '0'::xid AND k.xmax OPERATOR(pg_catalog.<>) k.xmin) THEN NULL
 				 WHEN k.fingerprint IS DISTINCT FROM v.fp THEN
 					  CASE WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'succeeded', 'failed'])
 						   THEN 'mismatch' END
 				 WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['succeeded', 'failed']) THEN 'replay'
-				 WHEN k.status OPERATOR(pg_catalog.=) 'pending' AND
+				 WHEN k.status OPERATOR(pg_catalog.=) 'pending' AND k.xmax OPERATOR(pg_catalog.=) '0'::xid AND
 					  idem_claim.wait OPERATOR(pg_catalog.=) '0'::interval AND
 					  k.token IS NOT NULL AND k.owner_session IS NULL AND
 					  k.lease_until OPERATOR(pg_catalog.>) v.now AND
@@ -427,14 +440,18 @@ BEGIN
 			   v.fp, v.first
 		  INTO w
 		  FROM (SELECT idempotency._store_verdict() AS verdict,
+					   'idempotency.token_seq'::pg_catalog.regclass AS seq,
 					   pg_catalog.clock_timestamp() AS now,
 					   CASE WHEN idem_claim.request IS NOT NULL THEN
 						   pg_catalog.sha256(pg_catalog.convert_to(idem_claim.request::text,
 							   pg_catalog.getdatabaseencoding())) END AS fp,
 					   pg_catalog.current_setting('idempotency_sql.xact_first_token', true) AS first,
-					   pg_catalog.to_regrole(pg_catalog.quote_ident(idempotency._caller())) AS role) v
-		  LEFT JOIN idempotency.scope_bindings b
-			ON b.role::pg_catalog.oid OPERATOR(pg_catalog.=) v.role
+					   -- any binding row of the caller that refuses the scope
+					   EXISTS (SELECT FROM idempotency.scope_bindings b
+							   WHERE b.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+									 pg_catalog.to_regrole(pg_catalog.quote_ident(idempotency._caller()))
+								 AND (b.scope_prefix IS NULL OR
+									  NOT pg_catalog.starts_with(idem_claim.scope, b.scope_prefix))) AS refused) v
 		  LEFT JOIN idempotency.keys k
 			ON k.scope OPERATOR(pg_catalog.=) idem_claim.scope
 		   AND k.key OPERATOR(pg_catalog.=) idem_claim.key;
@@ -454,12 +471,19 @@ BEGIN
 				CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', true), '')
 						  OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
 					 ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END);
-			tok := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
-			lsn := pg_catalog.pg_current_wal_insert_lsn();
-			PERFORM FROM idempotency.key_lanes kl
-			 WHERE kl.lane OPERATOR(pg_catalog.=) idempotency._key_lane(idem_claim.scope, idem_claim.key)
-			   FOR NO KEY UPDATE SKIP LOCKED;
-			IF FOUND THEN
+			-- the verdict again under row exclusive (see _claim_key's write)
+			LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
+			IF (SELECT v.verdict
+				  FROM (SELECT idempotency._store_verdict() AS verdict,
+							   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
+				  LEFT JOIN idempotency.keys k ON false) OPERATOR(pg_catalog.=) 0 THEN
+				tok := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
+				lsn := pg_catalog.pg_current_wal_insert_lsn();
+				PERFORM FROM idempotency.key_lanes kl
+				 WHERE kl.lane OPERATOR(pg_catalog.=) idempotency._key_lane(idem_claim.scope, idem_claim.key)
+				   FOR NO KEY UPDATE SKIP LOCKED;
+			END IF;
+			IF tok IS NOT NULL AND FOUND THEN
 				now := pg_catalog.clock_timestamp();
 				INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 					fingerprint, response_code, response_body, created_at, finished_at,
@@ -469,7 +493,7 @@ BEGIN
 					NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
 					GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
 					rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL)
-				ON CONFLICT DO NOTHING;	-- the primary key: the table's only unique index
+				ON CONFLICT ON CONSTRAINT keys_pkey DO NOTHING;
 				IF FOUND THEN
 					IF COALESCE(w.first, '') OPERATOR(pg_catalog.=) '' THEN
 						PERFORM pg_catalog.set_config('idempotency_sql.xact_first_token', tok::text, true);
@@ -610,7 +634,7 @@ DECLARE
 	toks bigint[];
 	lanes integer[];
 	got bigint;
-	made text[];
+	verdict integer;
 BEGIN
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(keys), 'keys', true, keys IS NULL);
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(requests), 'requests', false, requests IS NULL);
@@ -637,18 +661,35 @@ BEGIN
 	-- A batch of new keys, no code attached to the table, the scope allowed,
 	-- not bound to the session: the tokens drawn in order, every key's lane
 	-- locked without waiting, and the rows inserted by one statement, as
-	-- _claim_key makes each.  When a lane is busy nothing is inserted and
-	-- every element takes the loop below; a key that a claim committed
-	-- since the read (its insert did nothing) takes it alone.
+	-- _claim_key makes each.  All or nothing: when a lane is busy or a key
+	-- was claimed meanwhile, the block's subtransaction takes back what it
+	-- did (lanes and rows, not the tokens) and every element takes the loop
+	-- below, in order.  Before it writes, row exclusive on the table and
+	-- the verdict again (see _claim_key's write).
 	IF n OPERATOR(pg_catalog.>) 0 AND NOT session_bound AND
+	   pg_catalog.to_regclass('idempotency.keys') IS NOT NULL AND
+	   pg_catalog.to_regclass('idempotency.scope_bindings') IS NOT NULL AND
 	   (SELECT v.verdict OPERATOR(pg_catalog.=) 0 AND
-			   (b.role IS NULL OR pg_catalog.starts_with(idem_claim_many.scope, b.scope_prefix))
-		  FROM (SELECT idempotency._store_verdict() AS verdict) v
-		  LEFT JOIN idempotency.scope_bindings b ON b.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(who))) AND
-	   (SELECT pg_catalog.count(DISTINCT u) FROM pg_catalog.unnest(k) u) OPERATOR(pg_catalog.=) n AND
-	   NOT EXISTS (SELECT FROM idempotency.keys kk
-				   WHERE kk.scope OPERATOR(pg_catalog.=) idem_claim_many.scope
-					 AND kk.key OPERATOR(pg_catalog.=) ANY (k)) THEN
+			   NOT EXISTS (SELECT FROM idempotency.scope_bindings b
+						   WHERE b.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(who))
+							 AND (b.scope_prefix IS NULL OR
+								  NOT pg_catalog.starts_with(idem_claim_many.scope, b.scope_prefix))) AND
+			   (SELECT pg_catalog.count(DISTINCT u) FROM pg_catalog.unnest(k) u) OPERATOR(pg_catalog.=) n AND
+			   NOT EXISTS (SELECT FROM pg_catalog.unnest(k) u
+						   CROSS JOIN LATERAL (
+							 SELECT FROM idempotency.keys kk
+							  WHERE kk.scope OPERATOR(pg_catalog.=) idem_claim_many.scope
+								AND kk.key OPERATOR(pg_catalog.=) u
+							  LIMIT 1) kk)
+		  FROM (SELECT idempotency._store_verdict() AS verdict,
+					   'idempotency.token_seq'::pg_catalog.regclass AS seq) v) THEN
+		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
+		verdict := (SELECT v.verdict
+					  FROM (SELECT idempotency._store_verdict() AS verdict,
+								   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
+					  LEFT JOIN idempotency.keys kk ON false);
+	END IF;
+	IF verdict OPERATOR(pg_catalog.=) 0 THEN
 		ls := COALESCE(lease,
 			CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.lease', true), '')
 					  OPERATOR(pg_catalog.=) ANY (ARRAY['', '30s']) THEN '00:00:30'::interval
@@ -657,59 +698,62 @@ BEGIN
 			CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', true), '')
 					  OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
 				 ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END);
-		toks := ARRAY(SELECT pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass)
-						FROM pg_catalog.generate_series(1, n));
-		lsn := pg_catalog.pg_current_wal_insert_lsn();
-		lanes := ARRAY(SELECT DISTINCT idempotency._key_lane(idem_claim_many.scope, u)
-						 FROM pg_catalog.unnest(k) u);
-		PERFORM FROM idempotency.key_lanes kl
-		 WHERE kl.lane OPERATOR(pg_catalog.=) ANY (lanes)
-		   FOR NO KEY UPDATE SKIP LOCKED;
-		GET DIAGNOSTICS got = ROW_COUNT;
-		IF got OPERATOR(pg_catalog.=) pg_catalog.cardinality(lanes) THEN
+		BEGIN
+			toks := ARRAY(SELECT pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass)
+							FROM pg_catalog.generate_series(1, n));
+			lsn := pg_catalog.pg_current_wal_insert_lsn();
+			lanes := ARRAY(SELECT DISTINCT idempotency._key_lane(idem_claim_many.scope, u)
+							 FROM pg_catalog.unnest(k) u);
+			-- lane by lane (a lateral lookup each: no plan scans the lanes
+			-- once per element)
+			PERFORM FROM pg_catalog.unnest(lanes) l
+			  CROSS JOIN LATERAL (
+				SELECT FROM idempotency.key_lanes kl
+				 WHERE kl.lane OPERATOR(pg_catalog.=) l
+				   FOR NO KEY UPDATE SKIP LOCKED) kl;
+			GET DIAGNOSTICS got = ROW_COUNT;
+			IF got OPERATOR(pg_catalog.<>) pg_catalog.cardinality(lanes) THEN
+				RAISE EXCEPTION 'a lane is busy' USING ERRCODE = 'IDB01';
+			END IF;
 			now := pg_catalog.clock_timestamp();
-			WITH ins AS (
-				INSERT INTO idempotency.keys AS kk (scope, key, status, token, attempt,
-					fingerprint, response_code, response_body, created_at, finished_at,
-					lease_until, expires_at, retention, sweep_at, phase, phase_data,
-					owner_session)
-				SELECT idem_claim_many.scope, u.key, 'pending', u.tok, 1,
-					   CASE WHEN u.req IS NOT NULL THEN
-						   pg_catalog.sha256(pg_catalog.convert_to(u.req::text,
-							   pg_catalog.getdatabaseencoding())) END,
-					   NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
-					   GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
-					   rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL
-				  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(toks), pg_catalog.unnest(req))
-					   WITH ORDINALITY u(key, tok, req, i)
-				 ORDER BY u.i
-				ON CONFLICT DO NOTHING	-- the primary key: the table's only unique index
-				RETURNING kk.key)
-			SELECT pg_catalog.array_agg(ins.key) INTO made FROM ins;
-			IF pg_catalog.cardinality(made) OPERATOR(pg_catalog.>) 0 AND
-			   COALESCE(pg_catalog.current_setting('idempotency_sql.xact_first_token', true), '')
+			INSERT INTO idempotency.keys AS kk (scope, key, status, token, attempt,
+				fingerprint, response_code, response_body, created_at, finished_at,
+				lease_until, expires_at, retention, sweep_at, phase, phase_data,
+				owner_session)
+			SELECT idem_claim_many.scope, u.key, 'pending', u.tok, 1,
+				   CASE WHEN u.req IS NOT NULL THEN
+					   pg_catalog.sha256(pg_catalog.convert_to(u.req::text,
+						   pg_catalog.getdatabaseencoding())) END,
+				   NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
+				   GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
+				   rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL
+			  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(toks), pg_catalog.unnest(req))
+				   WITH ORDINALITY u(key, tok, req, i)
+			 ORDER BY u.i
+			ON CONFLICT ON CONSTRAINT keys_pkey DO NOTHING;
+			GET DIAGNOSTICS got = ROW_COUNT;
+			IF got OPERATOR(pg_catalog.<>) n THEN
+				RAISE EXCEPTION 'a key was claimed meanwhile' USING ERRCODE = 'IDB01';
+			END IF;
+		EXCEPTION WHEN SQLSTATE 'IDB01' THEN
+			toks := NULL;
+		END;
+		IF toks IS NOT NULL THEN
+			IF COALESCE(pg_catalog.current_setting('idempotency_sql.xact_first_token', true), '')
 				   OPERATOR(pg_catalog.=) '' THEN
 				PERFORM pg_catalog.set_config('idempotency_sql.xact_first_token', toks[1]::text, true);
 			END IF;
-			IF pg_catalog.cardinality(made) OPERATOR(pg_catalog.=) n THEN
-				IF pg_catalog.pg_current_wal_flush_lsn() OPERATOR(pg_catalog.<) lsn THEN
-					PERFORM idempotency._flush_tokens(lsn);
-				END IF;
-				RETURN QUERY SELECT u.i::integer, u.key, 'claimed'::text, u.tok, 1,
-					NULL::text, NULL::integer, NULL::jsonb, NULL::integer, NULL::text, NULL::jsonb
-				  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(toks)) WITH ORDINALITY u(key, tok, i);
-				RETURN;
+			IF pg_catalog.pg_current_wal_flush_lsn() OPERATOR(pg_catalog.<) lsn THEN
+				PERFORM idempotency._flush_tokens(lsn);
 			END IF;
+			RETURN QUERY SELECT u.i::integer, u.key, 'claimed'::text, u.tok, 1,
+				NULL::text, NULL::integer, NULL::jsonb, NULL::integer, NULL::text, NULL::jsonb
+			  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(toks)) WITH ORDINALITY u(key, tok, i);
+			RETURN;
 		END IF;
+		lsn := NULL;
 	END IF;
 	FOR i IN 1..n LOOP
-		IF k[i] OPERATOR(pg_catalog.=) ANY (made) THEN
-			ord := i; key := k[i]; outcome := 'claimed'; token := toks[i];
-			attempt := 1; status := NULL; response_code := NULL;
-			response_body := NULL; retry_after := NULL; phase := NULL; phase_data := NULL;
-			RETURN NEXT;
-			CONTINUE;
-		END IF;
 		w := idempotency._claim_key(who, role, k[i],
 			CASE WHEN req[i] IS NOT NULL THEN
 				pg_catalog.sha256(pg_catalog.convert_to(req[i]::text, pg_catalog.getdatabaseencoding())) END,

@@ -125,6 +125,10 @@ BEGIN
 	   pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL THEN
 		PERFORM idempotency._check_store();
 	END IF;
+	-- Row exclusive on the table before the store's verdict is read: a
+	-- lock this transaction did not hold yet makes it take in the DDL
+	-- committed meanwhile, and while it is held no code can be attached.
+	LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
 	LOOP
 		now := pg_catalog.clock_timestamp();
 		SELECT v.verdict, b.role IS NOT NULL AS bound, b.scope_prefix AS prefix,
@@ -353,38 +357,47 @@ BEGIN
 	IF pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean THEN
 		PERFORM idempotency._check_writable('idem_finish()');
 	END IF;
-	-- The token holds the key, its row is sound and no code is attached to
-	-- the table: the row locked and finished right here, as _token_call
-	-- would.  Anything else (a refusal, a held row, attached code) is
+	-- The token holds the key, its row is sound, no binding of the caller
+	-- refuses the scope and no code is attached to the table: the row
+	-- locked and finished right here, as _token_call would.  Anything else
+	-- (a refusal, a held row, attached code, a missing table) is
 	-- _token_call's, which reads the key again (a row locked here stays
-	-- this transaction's).
-	SELECT v.verdict, k.tid, k.retention, k.sweep_at, v.now
-	  INTO r
-	  FROM (SELECT idempotency._store_verdict() AS verdict, pg_catalog.clock_timestamp() AS now,
-				   pg_catalog.to_regrole(pg_catalog.quote_ident(who)) AS role) v
-	  LEFT JOIN idempotency.scope_bindings b
-		ON b.role::pg_catalog.oid OPERATOR(pg_catalog.=) v.role
-	  LEFT JOIN LATERAL (
-		SELECT k.ctid AS tid, k.retention, k.sweep_at
-		  FROM idempotency.keys k
-		 WHERE k.scope OPERATOR(pg_catalog.=) idem_finish.scope AND k.key OPERATOR(pg_catalog.=) idem_finish.key
-		   AND k.status OPERATOR(pg_catalog.=) 'pending' AND k.token OPERATOR(pg_catalog.=) idem_finish.token
-		   AND k.expires_at OPERATOR(pg_catalog.>) v.now
-		   AND k.attempt IS NOT NULL AND k.created_at IS NOT NULL AND k.retention IS NOT NULL
-		   AND k.sweep_at IS NOT NULL
-		   AND (k.fingerprint IS NULL OR pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.=) 32)
-		   AND (b.role IS NULL OR pg_catalog.starts_with(idem_finish.scope, b.scope_prefix))
-		   FOR NO KEY UPDATE OF k SKIP LOCKED) k ON true;
-	IF r.tid IS NOT NULL AND r.verdict OPERATOR(pg_catalog.=) 0 THEN
-		result := r.now OPERATOR(pg_catalog.+) COALESCE(retention, r.retention);
-		UPDATE idempotency.keys k
-		   SET status = idem_finish.status, response_code = idem_finish.response_code,
-			   response_body = idem_finish.response_body, finished_at = r.now,
-			   lease_until = NULL, expires_at = result,
-			   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL
-		 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
-		IF FOUND THEN
-			RETURN result;
+	-- this transaction's).  Row exclusive on the table first (see
+	-- idem_claim).
+	IF pg_catalog.to_regclass('idempotency.keys') IS NOT NULL AND
+	   pg_catalog.to_regclass('idempotency.scope_bindings') IS NOT NULL THEN
+		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
+		SELECT v.verdict, k.tid, k.retention, k.sweep_at, v.now
+		  INTO r
+		  FROM (SELECT idempotency._store_verdict() AS verdict,
+					   'idempotency.token_seq'::pg_catalog.regclass AS seq,
+					   pg_catalog.clock_timestamp() AS now) v
+		  LEFT JOIN LATERAL (
+			SELECT k.ctid AS tid, k.retention, k.sweep_at
+			  FROM idempotency.keys k
+			 WHERE k.scope OPERATOR(pg_catalog.=) idem_finish.scope AND k.key OPERATOR(pg_catalog.=) idem_finish.key
+			   AND k.status OPERATOR(pg_catalog.=) 'pending' AND k.token OPERATOR(pg_catalog.=) idem_finish.token
+			   AND k.expires_at OPERATOR(pg_catalog.>) v.now
+			   AND k.attempt IS NOT NULL AND k.created_at IS NOT NULL AND k.retention IS NOT NULL
+			   AND k.sweep_at IS NOT NULL
+			   AND (k.fingerprint IS NULL OR pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.=) 32)
+			   AND NOT EXISTS (SELECT FROM idempotency.scope_bindings sb
+							   WHERE sb.role::pg_catalog.oid OPERATOR(pg_catalog.=)
+									 pg_catalog.to_regrole(pg_catalog.quote_ident(who))
+								 AND (sb.scope_prefix IS NULL OR
+									  NOT pg_catalog.starts_with(idem_finish.scope, sb.scope_prefix)))
+			   FOR NO KEY UPDATE OF k SKIP LOCKED) k ON true;
+		IF r.tid IS NOT NULL AND r.verdict OPERATOR(pg_catalog.=) 0 THEN
+			result := r.now OPERATOR(pg_catalog.+) COALESCE(retention, r.retention);
+			UPDATE idempotency.keys k
+			   SET status = idem_finish.status, response_code = idem_finish.response_code,
+				   response_body = idem_finish.response_body, finished_at = r.now,
+				   lease_until = NULL, expires_at = result,
+				   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL
+			 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
+			IF FOUND THEN
+				RETURN result;
+			END IF;
 		END IF;
 	END IF;
 	RETURN (idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'finish',
@@ -488,7 +501,6 @@ DECLARE
 	n integer;
 	lim bigint;
 	now timestamptz;
-	fin integer[];
 	fin_at timestamptz[];
 	e_state text;
 	e_message text;
@@ -532,67 +544,92 @@ BEGIN
 	PERFORM idempotency._check_positive(retention, 'retention');
 	PERFORM idempotency._check_writable('idem_finish_many()');
 	role := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
-	-- The whole batch in one statement when no code is attached to the
-	-- table, the binding allows the scope and the keys are distinct: every
-	-- row the token holds, sound, locked without waiting and finished as
-	-- _token_call finishes one.  An element it did not finish (not held,
-	-- held elsewhere, unsound) is finished or refused one by one below,
-	-- in order, by _token_call.
-	IF n OPERATOR(pg_catalog.>) 0 AND
-	   (SELECT v.verdict OPERATOR(pg_catalog.=) 0 AND
-			   (b.role IS NULL OR pg_catalog.starts_with(idem_finish_many.scope, b.scope_prefix))
-		  FROM (SELECT idempotency._store_verdict() AS verdict) v
-		  LEFT JOIN idempotency.scope_bindings b ON b.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(who))) AND
-	   (SELECT pg_catalog.count(DISTINCT u) FROM pg_catalog.unnest(k) u) OPERATOR(pg_catalog.=) n THEN
-		now := pg_catalog.clock_timestamp();
-		-- each element's row looked up by its key (a lateral lookup, so that
-		-- no plan made for a table without statistics scans it per element)
-		WITH held AS (
-			SELECT u.i, kk.tid, u.code, u.body,
-				   now OPERATOR(pg_catalog.+) COALESCE(idem_finish_many.retention, kk.retention) AS expires
-			  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(t), pg_catalog.unnest(c),
-							  pg_catalog.unnest(b)) WITH ORDINALITY u(key, token, code, body, i)
-			  CROSS JOIN LATERAL (
-				SELECT kk.ctid AS tid, kk.retention
-				  FROM idempotency.keys kk
-				 WHERE kk.scope OPERATOR(pg_catalog.=) idem_finish_many.scope
-				   AND kk.key OPERATOR(pg_catalog.=) u.key
-				   AND kk.status OPERATOR(pg_catalog.=) 'pending' AND kk.token OPERATOR(pg_catalog.=) u.token
-				   AND kk.expires_at OPERATOR(pg_catalog.>) now
-				   AND kk.attempt IS NOT NULL AND kk.created_at IS NOT NULL AND kk.retention IS NOT NULL
-				   AND kk.sweep_at IS NOT NULL
-				   AND (kk.fingerprint IS NULL OR pg_catalog.octet_length(kk.fingerprint) OPERATOR(pg_catalog.=) 32)
-				   FOR NO KEY UPDATE OF kk SKIP LOCKED) kk),
-		done AS (
-			UPDATE idempotency.keys kk
-			   SET status = idem_finish_many.status, response_code = held.code,
-				   response_body = held.body, finished_at = now,
-				   lease_until = NULL, expires_at = held.expires,
-				   sweep_at = LEAST(kk.sweep_at, held.expires), owner_session = NULL
-			  FROM held
-			 WHERE kk.ctid OPERATOR(pg_catalog.=) held.tid
-			RETURNING held.i, held.expires)
-		SELECT pg_catalog.array_agg(done.i ORDER BY done.i), pg_catalog.array_agg(done.expires ORDER BY done.i)
-		  INTO fin, fin_at
-		  FROM done;
-		IF pg_catalog.cardinality(fin) OPERATOR(pg_catalog.=) n THEN
-			RETURN QUERY SELECT u.i::integer, u.key, u.expires
-			  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(fin_at)) WITH ORDINALITY u(key, expires, i);
-			RETURN;
-		END IF;
+	-- Row exclusive on the table before the store's verdict is read (see
+	-- idem_claim).
+	IF pg_catalog.to_regclass('idempotency.keys') IS NOT NULL AND
+	   pg_catalog.to_regclass('idempotency.scope_bindings') IS NOT NULL THEN
+		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
 	END IF;
-	-- One block for the whole loop (a block per element would open a
+	-- One block for the whole batch (a block per element would open a
 	-- subtransaction per key): the element that fails is in ord and key.
 	BEGIN
+		-- The whole batch in one statement, in read committed, when no code
+		-- is attached to the table, no binding of the caller refuses the
+		-- scope and the keys are distinct: every row the token holds,
+		-- sound, locked without waiting and finished as _token_call
+		-- finishes one.  All or nothing: when it cannot finish every
+		-- element, the inner block's subtransaction takes back what it did
+		-- (so that no row stays locked out of order) and every element is
+		-- finished or refused one by one below, in order, by _token_call.
+		-- An error here (the store's verdict) is the first element's, as
+		-- its own call would raise it.
+		ord := 1;
+		key := k[1];
+		IF n OPERATOR(pg_catalog.>) 0 AND
+		   pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed' AND
+		   pg_catalog.to_regclass('idempotency.keys') IS NOT NULL AND
+		   pg_catalog.to_regclass('idempotency.scope_bindings') IS NOT NULL AND
+		   (SELECT v.verdict OPERATOR(pg_catalog.=) 0 AND
+				   NOT EXISTS (SELECT FROM idempotency.scope_bindings sb
+							   WHERE sb.role::pg_catalog.oid OPERATOR(pg_catalog.=) pg_catalog.to_regrole(pg_catalog.quote_ident(who))
+								 AND (sb.scope_prefix IS NULL OR
+									  NOT pg_catalog.starts_with(idem_finish_many.scope, sb.scope_prefix))) AND
+				   (SELECT pg_catalog.count(DISTINCT u) FROM pg_catalog.unnest(k) u) OPERATOR(pg_catalog.=) n
+			  FROM (SELECT idempotency._store_verdict() AS verdict,
+						   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
+			  LEFT JOIN idempotency.keys kk ON false) THEN
+			BEGIN
+				now := pg_catalog.clock_timestamp();
+				-- each element's row looked up by its key (a lateral lookup,
+				-- so that no plan made for a table without statistics scans
+				-- it once per element)
+				WITH held AS (
+					SELECT u.i, kk.tid, u.code, u.body,
+						   now OPERATOR(pg_catalog.+) COALESCE(idem_finish_many.retention, kk.retention) AS expires
+					  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(t), pg_catalog.unnest(c),
+									  pg_catalog.unnest(b)) WITH ORDINALITY u(key, token, code, body, i)
+					  CROSS JOIN LATERAL (
+						SELECT kk.ctid AS tid, kk.retention
+						  FROM idempotency.keys kk
+						 WHERE kk.scope OPERATOR(pg_catalog.=) idem_finish_many.scope
+						   AND kk.key OPERATOR(pg_catalog.=) u.key
+						   AND kk.status OPERATOR(pg_catalog.=) 'pending' AND kk.token OPERATOR(pg_catalog.=) u.token
+						   AND kk.expires_at OPERATOR(pg_catalog.>) now
+						   AND kk.attempt IS NOT NULL AND kk.created_at IS NOT NULL AND kk.retention IS NOT NULL
+						   AND kk.sweep_at IS NOT NULL
+						   AND (kk.fingerprint IS NULL OR pg_catalog.octet_length(kk.fingerprint) OPERATOR(pg_catalog.=) 32)
+						   FOR NO KEY UPDATE OF kk SKIP LOCKED) kk),
+				done AS (
+					UPDATE idempotency.keys kk
+					   SET status = idem_finish_many.status, response_code = held.code,
+						   response_body = held.body, finished_at = now,
+						   lease_until = NULL, expires_at = held.expires,
+						   sweep_at = LEAST(kk.sweep_at, held.expires), owner_session = NULL
+					  FROM held
+					 WHERE kk.ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT h.tid FROM held h))
+					   AND kk.ctid OPERATOR(pg_catalog.=) held.tid
+					RETURNING held.i, held.expires)
+				SELECT pg_catalog.array_agg(done.expires ORDER BY done.i)
+				  INTO fin_at
+				  FROM done;
+				IF pg_catalog.cardinality(fin_at) IS DISTINCT FROM n THEN
+					RAISE EXCEPTION 'not every element' USING ERRCODE = 'IDB01';
+				END IF;
+			EXCEPTION WHEN SQLSTATE 'IDB01' THEN
+				fin_at := NULL;
+			END;
+			IF fin_at IS NOT NULL THEN
+				RETURN QUERY SELECT u.i::integer, u.key, u.expires
+				  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(fin_at))
+					   WITH ORDINALITY u(key, expires, i);
+				RETURN;
+			END IF;
+		END IF;
 		FOR i IN 1..n LOOP
 			ord := i;
 			key := k[i];
-			IF i OPERATOR(pg_catalog.=) ANY (fin) THEN
-				expires_at := fin_at[pg_catalog.array_position(fin, i)];
-			ELSE
-				expires_at := (idempotency._token_call(who, role, 'finish', k[i], t[i], scope,
-					c[i], b[i], status, retention, NULL)).result;
-			END IF;
+			expires_at := (idempotency._token_call(who, role, 'finish', k[i], t[i], scope,
+				c[i], b[i], status, retention, NULL)).result;
 			RETURN NEXT;
 		END LOOP;
 	EXCEPTION WHEN OTHERS THEN

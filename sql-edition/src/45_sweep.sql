@@ -176,6 +176,11 @@ BEGIN
 	batch := COALESCE(batch_size,
 		idempotency._guc_bytes('idempotency.sweep_batch', 1000)::integer);
 	PERFORM idempotency._check_writable('idem_sweep()');
+	-- row exclusive on the table first, so that the verdict below is the
+	-- table's as it is (see idem_claim)
+	IF pg_catalog.to_regclass('idempotency.keys') IS NOT NULL THEN
+		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
+	END IF;
 	-- the store's verdict, cached in this query's plan (see _store_verdict)
 	SELECT v.verdict INTO verdict
 	  FROM (SELECT idempotency._store_verdict() AS verdict,
