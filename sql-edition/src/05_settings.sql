@@ -151,6 +151,25 @@ RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.max_response_s
 			OPERATOR(pg_catalog.=) ANY (ARRAY['', '1MB', '1048576']) THEN 1048576
 	ELSE idempotency._guc_bytes('idempotency.max_response_size', 1048576, true) END;
 
+/*
+ * idempotency.lease and idempotency.retention as intervals: the default
+ * unless set (or set to the default as the C library shows it), so that
+ * the usual case reads one setting (inlined SQL functions).
+ */
+CREATE OR REPLACE FUNCTION idempotency._lease_setting()
+RETURNS interval
+LANGUAGE sql STABLE
+RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.lease', true), '')
+			OPERATOR(pg_catalog.=) ANY (ARRAY['', '30s']) THEN '00:00:30'::interval
+	ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END;
+
+CREATE OR REPLACE FUNCTION idempotency._retention_setting()
+RETURNS interval
+LANGUAGE sql STABLE
+RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', true), '')
+			OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
+	ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END;
+
 /* A key, scope or phase: not NULL, at most 255 characters, maybe not empty. */
 CREATE OR REPLACE FUNCTION idempotency._check_name(t text, name text, allow_empty boolean)
 RETURNS void

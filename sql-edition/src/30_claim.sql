@@ -80,7 +80,6 @@ DECLARE
 	ret interval;
 	expires timestamptz;
 	owner bigint;
-	setting text;
 	saved jsonb;
 	n bigint;
 	round integer := 0;
@@ -184,18 +183,8 @@ BEGIN
 					  DETAIL = pg_catalog.format('Role "%s", which owns the idempotency functions, cannot read this session''s row of pg_stat_activity.', current_user),
 					  HINT = 'GRANT pg_read_all_stats TO that role, or claim without session_bound.';
 		END IF;
-		lease := p_lease;
-		IF lease IS NULL THEN
-			setting := pg_catalog.current_setting('idempotency.lease', true);
-			lease := CASE WHEN setting IS NULL OR setting OPERATOR(pg_catalog.=) '' THEN '00:00:30'::interval
-				ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END;
-		END IF;
-		ret := p_retention;
-		IF ret IS NULL THEN
-			setting := pg_catalog.current_setting('idempotency.retention', true);
-			ret := CASE WHEN setting IS NULL OR setting OPERATOR(pg_catalog.=) '' THEN '24:00:00'::interval
-				ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END;
-		END IF;
+		lease := COALESCE(p_lease, idempotency._lease_setting());
+		ret := COALESCE(p_retention, idempotency._retention_setting());
 		lease_until := now OPERATOR(pg_catalog.+) lease;
 		expires := GREATEST(now OPERATOR(pg_catalog.+) ret, lease_until);
 
@@ -463,14 +452,8 @@ BEGIN
 			-- A new key, no code attached to the table: the token, the
 			-- lane's lock and the insert, as _claim_key makes them.  A busy
 			-- lane or a key committed since the read takes the full path.
-			ls := COALESCE(lease,
-				CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.lease', true), '')
-						  OPERATOR(pg_catalog.=) ANY (ARRAY['', '30s']) THEN '00:00:30'::interval
-					 ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END);
-			rt := COALESCE(retention,
-				CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', true), '')
-						  OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
-					 ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END);
+			ls := COALESCE(lease, idempotency._lease_setting());
+			rt := COALESCE(retention, idempotency._retention_setting());
 			-- the verdict again under row exclusive (see _claim_key's write)
 			LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
 			IF (SELECT v.verdict
@@ -690,14 +673,8 @@ BEGIN
 					  LEFT JOIN idempotency.keys kk ON false);
 	END IF;
 	IF verdict OPERATOR(pg_catalog.=) 0 THEN
-		ls := COALESCE(lease,
-			CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.lease', true), '')
-					  OPERATOR(pg_catalog.=) ANY (ARRAY['', '30s']) THEN '00:00:30'::interval
-				 ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END);
-		rt := COALESCE(retention,
-			CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', true), '')
-					  OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
-				 ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END);
+		ls := COALESCE(lease, idempotency._lease_setting());
+		rt := COALESCE(retention, idempotency._retention_setting());
 		BEGIN
 			toks := ARRAY(SELECT pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass)
 							FROM pg_catalog.generate_series(1, n));

@@ -114,7 +114,6 @@ DECLARE
 	hold text;
 	row_held boolean;
 	step text;
-	setting text;
 	saved jsonb;
 	n bigint;
 	rounds integer := 0;
@@ -171,11 +170,7 @@ BEGIN
 					   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL
 				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
-				IF p_interval IS NULL THEN
-					setting := pg_catalog.current_setting('idempotency.lease', true);
-					p_interval := CASE WHEN setting IS NULL OR setting OPERATOR(pg_catalog.=) '' THEN '00:00:30'::interval
-						ELSE idempotency._guc_interval('idempotency.lease', 'ms', '00:00:30') END;
-				END IF;
+				p_interval := COALESCE(p_interval, idempotency._lease_setting());
 				result := now OPERATOR(pg_catalog.+) p_interval;
 				UPDATE idempotency.keys k
 				   SET lease_until = result,
