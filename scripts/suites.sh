@@ -294,7 +294,10 @@ suite_tap() {
 			if ((rc == 124 || rc == 137)); then
 				echo "-- timed out after ${FILE_TIMEOUT}s: prove $file" >>"$src/.tap_$i.log"
 			fi
-			echo "$rc $((SECONDS - started))" >"$src/.tap_$i.rc"
+			# written whole, then renamed: the pool reads a .rc file as soon
+			# as it exists, and must never find it empty
+			echo "$rc $((SECONDS - started))" >"$src/.tap_$i.rc.part" &&
+				mv "$src/.tap_$i.rc.part" "$src/.tap_$i.rc"
 		) &
 		pids+=($!)
 	done
