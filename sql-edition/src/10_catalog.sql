@@ -212,6 +212,27 @@ END;
 $$;
 
 /*
+ * The store's verdict for a write.  The keys table is locked ROW EXCLUSIVE
+ * first: a lock this transaction did not hold yet makes it take in the DDL
+ * committed meanwhile (the plan below is made again), and while it is held
+ * no trigger, rule or policy can be attached.  A read alone takes no such
+ * lock, so that a replay never waits for a CREATE INDEX.  No SET clause: it
+ * runs only inside the API functions, which pin search_path.
+ */
+CREATE OR REPLACE FUNCTION idempotency._write_verdict()
+RETURNS integer
+LANGUAGE plpgsql VOLATILE
+AS $$
+BEGIN
+	LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
+	RETURN (SELECT v.verdict
+			  FROM (SELECT idempotency._store_verdict() AS verdict,
+						   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
+			  LEFT JOIN idempotency.keys k ON false);
+END;
+$$;
+
+/*
  * What _store_verdict answers, read from the catalog.  VOLATILE, so that
  * each of its queries (and those of the checks it calls) reads the
  * catalog as committed now: the planner calls it while it plans, after

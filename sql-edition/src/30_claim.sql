@@ -159,17 +159,8 @@ BEGIN
 			action := 'takeover';
 		END IF;
 
-		-- A write.  Row exclusive on the table first, and the store's
-		-- verdict read again: a lock this transaction did not hold yet makes
-		-- it take in the DDL committed since the read (the verdict's plan is
-		-- made again), and while it holds the lock no trigger, rule or
-		-- policy can be attached.  A read alone takes no such lock, so that
-		-- a replay never waits for a CREATE INDEX.
-		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
-		r.verdict := (SELECT v.verdict
-						FROM (SELECT idempotency._store_verdict() AS verdict,
-									 'idempotency.token_seq'::pg_catalog.regclass AS seq) v
-						LEFT JOIN idempotency.keys k ON false);
+		-- a write: the verdict again, under the table's write lock
+		r.verdict := idempotency._write_verdict();
 		IF r.verdict OPERATOR(pg_catalog.<>) 0 THEN
 			PERFORM idempotency._refuse_write(r.verdict);
 			saved := idempotency._settings_save();
@@ -454,12 +445,8 @@ BEGIN
 			-- lane or a key committed since the read takes the full path.
 			ls := COALESCE(lease, idempotency._lease_setting());
 			rt := COALESCE(retention, idempotency._retention_setting());
-			-- the verdict again under row exclusive (see _claim_key's write)
-			LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
-			IF (SELECT v.verdict
-				  FROM (SELECT idempotency._store_verdict() AS verdict,
-							   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
-				  LEFT JOIN idempotency.keys k ON false) OPERATOR(pg_catalog.=) 0 THEN
+			-- the verdict again, under the table's write lock
+			IF idempotency._write_verdict() OPERATOR(pg_catalog.=) 0 THEN
 				tok := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
 				lsn := pg_catalog.pg_current_wal_insert_lsn();
 				PERFORM FROM idempotency.key_lanes kl
@@ -647,8 +634,8 @@ BEGIN
 	-- _claim_key makes each.  All or nothing: when a lane is busy or a key
 	-- was claimed meanwhile, the block's subtransaction takes back what it
 	-- did (lanes and rows, not the tokens) and every element takes the loop
-	-- below, in order.  Before it writes, row exclusive on the table and
-	-- the verdict again (see _claim_key's write).
+	-- below, in order.  Before it writes, the verdict again under the
+	-- table's write lock (_write_verdict).
 	IF n OPERATOR(pg_catalog.>) 0 AND NOT session_bound AND
 	   pg_catalog.to_regclass('idempotency.keys') IS NOT NULL AND
 	   pg_catalog.to_regclass('idempotency.scope_bindings') IS NOT NULL AND
@@ -666,11 +653,7 @@ BEGIN
 							  LIMIT 1) kk)
 		  FROM (SELECT idempotency._store_verdict() AS verdict,
 					   'idempotency.token_seq'::pg_catalog.regclass AS seq) v) THEN
-		LOCK TABLE idempotency.keys IN ROW EXCLUSIVE MODE;
-		verdict := (SELECT v.verdict
-					  FROM (SELECT idempotency._store_verdict() AS verdict,
-								   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
-					  LEFT JOIN idempotency.keys kk ON false);
+		verdict := idempotency._write_verdict();
 	END IF;
 	IF verdict OPERATOR(pg_catalog.=) 0 THEN
 		ls := COALESCE(lease, idempotency._lease_setting());
