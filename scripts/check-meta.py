@@ -11,8 +11,8 @@ the distribution in DIR must also agree with it: the files `provides` names
 exist, the control file's default_version is the version's major.minor, and
 the install script of that version, the library's IDEM_VERSION, the top entry
 of CHANGELOG.md, debian/changelog's upstream version, the package and zip names
-in the install steps (README.md, docs/install/self-hosted.md), the library
-version the update steps show (docs/upgrading.md) and the newest
+and the library version in the install steps (docs/install/self-hosted.md),
+the library version the update steps show (docs/upgrading.md) and the newest
 version of the SQL edition (sql-edition/versions) all name the version.
 
 Prints each problem on its own line and exits 1 if there is any, 0 otherwise.
@@ -234,10 +234,9 @@ def check_tree(meta, tree):
 
     # The install and update steps name the release.
     for doc, pattern in (
-            ("README.md", r"idempotency_([0-9][^-_ ]*)-\d+_amd64\.deb"),
-            ("README.md", r"idempotency-([0-9][0-9.]*[0-9])\.zip"),
             ("docs/install/self-hosted.md", r"idempotency_([0-9][^-_ ]*)-\d+_amd64\.deb"),
             ("docs/install/self-hosted.md", r"idempotency-([0-9][0-9.]*[0-9])\.zip"),
+            ("docs/install/self-hosted.md", r"idem_version\(\);\n--  (\S+)"),
             ("docs/upgrading.md", r"-- (\S+) once the new library runs")):
         if os.path.isfile(os.path.join(tree, doc)):
             for named in re.findall(pattern, read(tree, doc)):
