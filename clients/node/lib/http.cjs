@@ -13,7 +13,7 @@ const { createHash } = require('node:crypto');
 const { IdempotencyError, KeyLostError, MisconfiguredError } = require('./errors.cjs');
 const {
 	DEFAULT_LEASE, DEFAULT_RETENTION, SQLSTATE, CLAIM_SQL, isUnavailable, knownDatabase,
-	misconfigurationDetail, poolInfo, isLostKey, positiveSeconds, toJsonText, startHeartbeat,
+	misconfigurationDetail, poolInfo, isLostKey, seconds, positiveSeconds, toJsonText, startHeartbeat,
 	defaultLog, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
 } = require('./core.cjs');
 const { parseIdempotencyKey, checkCustomKey } = require('./header.cjs');
@@ -137,6 +137,12 @@ function createEngine(options) {
 	const lease = positiveSeconds(options.lease, 'lease', DEFAULT_LEASE);
 	const retention = positiveSeconds(options.retention, 'retention', DEFAULT_RETENTION);
 	const retryAfterMax = Math.max(1, Math.floor(positiveSeconds(options.retryAfterMax, 'retryAfterMax', DEFAULT_RETRY_AFTER_MAX)));
+	/*
+	 * How long a duplicate that arrives while the original runs waits, in its
+	 * claim, for the original's answer (0: a 409 at once).  The server wakes
+	 * the claim when the original finishes or releases the key.
+	 */
+	const wait = seconds(options.wait, 'wait', 0);
 	const handlerTimeout = options.handlerTimeout === 0 || options.handlerTimeout === null ? 0
 		: positiveSeconds(options.handlerTimeout, 'handlerTimeout', DEFAULT_HANDLER_TIMEOUT);
 	const maxBodySize = bodyLimit(options.maxBodySize);
@@ -320,7 +326,7 @@ function createEngine(options) {
 				client = await pool.connect();
 				await client.query('BEGIN');
 				claim = (await client.query(CLAIM_SQL,
-					[key, requestText, scope, lease, retention, 0])).rows[0];
+					[key, requestText, scope, lease, retention, wait])).rows[0];
 				/*
 				 * The savepoint after the claim: failedWrites 'rollback' returns
 				 * to it, and so does a failed outcome whose handler left the
@@ -335,7 +341,7 @@ function createEngine(options) {
 				}
 			} else {
 				claim = (await pool.query(CLAIM_SQL,
-					[key, requestText, scope, lease, retention, 0])).rows[0];
+					[key, requestText, scope, lease, retention, wait])).rows[0];
 			}
 		} catch (err) {
 			if (client)

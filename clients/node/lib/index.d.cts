@@ -211,6 +211,13 @@ export interface HttpOptions<Req> {
 	/** Most seconds a 409 in-progress answer asks a client to wait (Retry-After). Default 5. */
 	retryAfterMax?: Seconds;
 	/**
+	 * Seconds a duplicate that arrives while the original runs waits for the original's answer:
+	 * it gets the stored response when the original finishes within the wait (or runs the
+	 * handler itself when the original releases the key or its lease ends), else the 409.
+	 * It holds a pool connection while it waits. Default 0: the 409 at once.
+	 */
+	wait?: Seconds;
+	/**
 	 * Past it the client gets 504, the heartbeat stops and the attempt's signal aborts; a late
 	 * result is still stored if the key was not taken over (the transactional mode rolls it back).
 	 * 0 or null: no limit. Default 300.

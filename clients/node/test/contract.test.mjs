@@ -14,7 +14,8 @@ import { db, deferred, exchange, expresses, listen } from './helpers.mjs';
 const contractPath = process.env.IDEM_CONTRACT ?? new URL('../../contract/http.json', import.meta.url);
 const contract = JSON.parse(readFileSync(contractPath, 'utf8'));
 
-const pool = new pg.Pool({ max: 10 });
+// application_name tells the runner's claims from other test files' (a waiting claim)
+const pool = new pg.Pool({ max: 10, application_name: 'idem-contract' });
 const NO_EXTENSION_DB = `${process.env.PGDATABASE ?? 'postgres'}_noext`;
 let noExtensionPool;
 
@@ -123,6 +124,25 @@ function request(url, spec, runId) {
 	});
 }
 
+/* true when the server shows a claim of the runner's pool waiting */
+async function claimWaiting() {
+	const { rows } = await db.query(`SELECT EXISTS (SELECT FROM pg_catalog.pg_stat_activity
+	   WHERE application_name = 'idem-contract' AND state = 'active'
+	     AND wait_event_type IN ('Extension', 'Lock', 'Timeout')
+	     AND query LIKE '%idem_claim%') AS waiting`);
+	return rows[0].waiting;
+}
+
+/* the answer of a request that may wait: the held handler is released once its claim waits */
+async function waitingRequest(url, spec, runId, handler) {
+	let answered = false;
+	const pending = request(url, spec, runId).finally(() => { answered = true; });
+	while (!answered && !(await claimWaiting()))
+		await new Promise((resolve) => setTimeout(resolve, 5));
+	handler.state.release.resolve();
+	return pending;
+}
+
 function check(answer, expect, runs, where) {
 	const say = `${where}: ${answer.text.slice(0, 300)}`;
 	assert.equal(answer.status, expect.status, say);
@@ -178,7 +198,8 @@ for (const target of targets) {
 							await entered.promise;
 							continue;
 						}
-						const answer = await request(app.url, spec, runId);
+						const answer = spec.waits ? await waitingRequest(app.url, spec, runId, handler)
+							: await request(app.url, spec, runId);
 						check(answer, spec.expect, handler.state.runs, where);
 					}
 				} finally {

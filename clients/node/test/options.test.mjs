@@ -1,6 +1,7 @@
 // Options read at construction and at the first claim: maxBodySize (a
 // limit in bytes; null or 0 none; absent 1 MiB; refused when negative or
-// fractional; enforced with a fingerprint option too) and the server's
+// fractional; enforced with a fingerprint option too), wait (seconds, refused
+// when negative or not a number) and the server's
 // idempotency.max_response_size with the units PostgreSQL allows.
 import { test, describe, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -29,6 +30,18 @@ async function bare(options) {
 	app.post('/x', expressIdempotency({ pool, ...options }), (req, res) => res.status(201).json({ bytes: req.rawBody.length }));
 	return listen(app);
 }
+
+describe('wait', () => {
+	test('a negative or non-number wait fails at construction', async () => {
+		for (const bad of [-1, '5', Number.NaN, Infinity]) {
+			assert.throws(() => expressIdempotency({ pool, wait: bad }), /wait must be a number of seconds/, String(bad));
+			const fastify = (await import('fastify')).default();
+			await assert.rejects(fastify.register(fastifyIdempotency, { pool, wait: bad }).ready(),
+				/wait must be a number of seconds/, String(bad));
+			await fastify.close();
+		}
+	});
+});
 
 describe('maxBodySize', () => {
 	test('null and 0 mean no limit; absent means 1 MiB', async () => {

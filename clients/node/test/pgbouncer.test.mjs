@@ -1,6 +1,7 @@
 // Through PgBouncer in transaction pooling mode (IDEM_PGBOUNCER_PORT, same
-// host as PGHOST): claim and finish land on different server connections, and
-// the heartbeat goes through the pooler.
+// host as PGHOST): claim and finish land on different server connections, the
+// heartbeat goes through the pooler, and a waiting duplicate holds a server
+// connection until the first request's answer is stored.
 import { test, describe, after } from 'node:test';
 import assert from 'node:assert/strict';
 import pg from 'pg';
@@ -104,6 +105,31 @@ describe('through PgBouncer (transaction pooling)', { skip }, () => {
 			assert.equal((await send(app.url, '/tx', { key: tx, body: '{"note":"p"}' })).status, 201);
 			assert.equal((await row(tx)).status, 'succeeded');
 			assert.equal((await send(app.url, '/tx', { key: tx, body: '{"note":"p"}' })).headers['idempotent-replayed'], 'true');
+		} finally {
+			await app.close();
+		}
+	});
+
+	test('Express with wait: a duplicate waits through the pooler and gets the first answer', async () => {
+		const app = await startExpress({ pool: bouncer, wait: 30 });
+		try {
+			const key = newKey('pgb-wait');
+			const gate = app.control.gate(key);
+			const first = send(app.url, '/slow', { key });
+			await gate.entered.promise;
+			const duplicate = send(app.url, '/slow', { key });
+			/* its claim waits on a server connection of the pooler */
+			await waitFor(async () => (await db.query(`SELECT EXISTS (SELECT FROM pg_catalog.pg_stat_activity
+				WHERE state = 'active' AND wait_event_type IN ('Extension', 'Lock', 'Timeout')
+				  AND query LIKE '%idem_claim%') AS waiting`)).rows[0].waiting, 'the duplicate claim waiting');
+			gate.release.resolve();
+			const done = await first;
+			const again = await duplicate;
+			assert.equal(done.status, 201, done.text);
+			assert.equal(again.status, 201, again.text);
+			assert.equal(again.headers['idempotent-replayed'], 'true');
+			assert.deepEqual(again.bytes, done.bytes);
+			assert.equal((await row(key)).attempt, 1);
 		} finally {
 			await app.close();
 		}

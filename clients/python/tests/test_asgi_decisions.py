@@ -193,6 +193,12 @@ def test_a_bad_max_body_size_is_refused_at_construction(value: Any, error: Any) 
         IdempotencyMiddleware(App(lambda body: (201, [], b"")),
                               pool=None, max_body_size=value)  # type: ignore[arg-type]
 
+def test_a_negative_wait_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="wait must be 0 or more seconds"):
+        IdempotencyMiddleware(App(lambda body: (201, [], b"")),
+                              pool=None, wait=-0.5)  # type: ignore[arg-type]
+
+
 # ---- status policy -----------------------------------------------------------------------
 
 
@@ -421,7 +427,7 @@ def test_a_missing_database_is_a_500_not_a_503(key: str) -> None:
 
 
 def test_an_extension_older_than_needed_names_the_update() -> None:
-    with pytest.raises(MisconfiguredError, match=r"^pg-idempotency 0\.3\.0 needs the "
+    with pytest.raises(MisconfiguredError, match=r"^pg-idempotency 0\.4\.0 needs the "
                        r"idempotency extension 1\.0 or later; database \"shop\" has 0\.9: "
                        r"run ALTER EXTENSION idempotency UPDATE\.$"):
         server_info(("shop", "0.9", None, None))

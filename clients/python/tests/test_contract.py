@@ -100,6 +100,36 @@ def send_request(client: httpx.Client, spec: Dict[str, Any], run: str) -> httpx.
                           headers=headers, content=payload(spec, run))
 
 
+def claim_waiting(admin: psycopg.Connection) -> bool:
+    """The server shows a claim of the runner's pool waiting."""
+    row = admin.execute(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_stat_activity"
+        " WHERE application_name = 'idem-contract' AND state = 'active'"
+        "   AND wait_event_type IN ('Extension', 'Lock', 'Timeout')"
+        "   AND query LIKE '%%idem_claim%%')").fetchone()
+    return bool(row and row[0])
+
+
+def send_waiting(server_url: str, spec: Dict[str, Any], run: str,
+                 handler: Handler) -> httpx.Response:
+    """A request that may wait: the held handler is released once its claim
+    waits on the server, or once it has its answer."""
+    result: Dict[str, Any] = {}
+
+    def send() -> None:
+        with httpx.Client(base_url=server_url, timeout=60) as own:
+            result["response"] = send_request(own, spec, run)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    with psycopg.connect(autocommit=True) as admin:
+        while thread.is_alive() and not claim_waiting(admin):
+            thread.join(0.005)
+    handler.release.set()
+    thread.join(60)
+    return result["response"]
+
+
 JSON_TYPES: Dict[str, Any] = {"string": str, "number": (int, float), "boolean": bool,
                               "object": dict, "array": list, "null": type(None)}
 
@@ -139,7 +169,9 @@ def test_contract(case: Dict[str, Any], request: Any) -> None:
     if options.get("pool") == "without-extension":
         conninfo = f"dbname={request.getfixturevalue('database_without_extension')}"
     handler = Handler(case["handler"])
-    pool = AsyncConnectionPool(conninfo, min_size=1, max_size=4, open=False)
+    # application_name tells the runner's claims from others' (a waiting claim)
+    pool = AsyncConnectionPool(conninfo + " application_name=idem-contract",
+                               min_size=1, max_size=4, open=False)
     run = uuid.uuid4().hex
     background: List[Any] = []
     with Server(make_app(handler, pool, options)) as server, \
@@ -162,7 +194,9 @@ def test_contract(case: Dict[str, Any], request: Any) -> None:
                     assert handler.started.wait(30) and handler.runs > runs_before, what
                     background.append((thread, result, spec, what))
                     continue
-                check(send_request(client, spec, run), spec["expect"], handler, what)
+                response = (send_waiting(server.url, spec, run, handler) if spec.get("waits")
+                            else send_request(client, spec, run))
+                check(response, spec["expect"], handler, what)
         finally:
             handler.release.set()
         for thread, result, spec, what in background:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import httpx
 import psycopg
@@ -16,7 +16,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from conftest import Server, requires_bouncer, stored, wait_for
-from httpapp import gate, make_app
+from httpapp import calls, gate, make_app
 from pg_idempotency import idempotent
 
 pytestmark = requires_bouncer
@@ -159,6 +159,43 @@ def test_http_through_pgbouncer(db: Any, key: str) -> None:
     assert finished[0][2] != claimed_on, "claim and finish on different server connections"
     assert all(pid != claimed_on for _, _, pid in beats)
 
+
+
+def test_http_wait_through_pgbouncer(db: Any, key: str) -> None:
+    """A duplicate with wait holds a server connection of the pooler while it
+    waits, and gets the first request's answer once that is stored."""
+    pool = AsyncConnectionPool(BOUNCER, min_size=4, max_size=4, kwargs=BOUNCER_KWARGS,
+                               open=False)
+    app = make_app(pool, wait=30)
+    g = gate(app, key)
+    with Server(app) as s:
+        answers: Dict[str, httpx.Response] = {}
+
+        def post(name: str) -> None:
+            with httpx.Client(base_url=s.url, timeout=60) as own:
+                answers[name] = own.post(f"/slow/{key}", headers={"Idempotency-Key": key})
+
+        first = threading.Thread(target=post, args=("first",))
+        duplicate = threading.Thread(target=post, args=("duplicate",))
+        try:
+            first.start()
+            assert g.entered.wait(30)
+            duplicate.start()
+            wait_for(lambda: db.execute(
+                "SELECT EXISTS (SELECT FROM pg_catalog.pg_stat_activity"
+                " WHERE state = 'active' AND wait_event_type IN ('Extension', 'Lock', 'Timeout')"
+                "   AND query LIKE '%%idem_claim%%')").fetchone()[0],
+                what="the duplicate's claim waiting")
+        finally:
+            g.release.set()
+            first.join(60)
+            duplicate.join(60)
+    assert answers["first"].status_code == 201
+    assert answers["duplicate"].status_code == 201
+    assert answers["duplicate"].headers["idempotent-replayed"] == "true"
+    assert answers["duplicate"].content == answers["first"].content
+    assert calls(app).get(f"slow/{key}") == 1
+    assert stored(db, key)[:3] == ("succeeded", 1, 201)  # type: ignore[index]
 
 
 def test_many_clients_share_two_server_connections(db: Any, key: str) -> None:

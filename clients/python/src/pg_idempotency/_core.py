@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: This package's version, named in the errors that ask for a newer extension.
-PACKAGE_VERSION = "0.3.0"
+PACKAGE_VERSION = "0.4.0"
 
 #: The oldest extension version this package runs on: its claim, finish,
 #: extend, release and lookup calls name only the arguments of 1.0 (the

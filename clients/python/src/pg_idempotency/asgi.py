@@ -229,6 +229,11 @@ class IdempotencyMiddleware:
     or 'release' (default ``default_store_policy``); ``store_server_errors``
     (default False) stores 5xx as failed under the default policy.
     ``retry_after_max`` (default 5 s): cap of ``Retry-After`` on a 409.
+    ``wait`` (default 0): how long a duplicate that arrives while the original
+    runs waits for the original's answer: it gets the stored response when
+    the original finishes within the wait (or runs the app itself when the
+    original releases the key or its lease ends), else the 409. It holds a
+    pool connection while it waits.
     ``max_body_size`` (default 1 MiB): larger request bodies get 413; None or
     0: no limit.
     ``handler_timeout`` (default 300 s; 0 or None: none): the client gets 504.
@@ -249,6 +254,7 @@ class IdempotencyMiddleware:
                  store_policy: Optional[StorePolicy] = None,
                  store_server_errors: bool = False,
                  retry_after_max: float = 5,
+                 wait: Duration = 0,
                  max_body_size: Optional[int] = 1024 * 1024,
                  handler_timeout: Optional[Duration] = 300,
                  problem_type_base: str = "urn:idempotency:problem:",
@@ -272,6 +278,9 @@ class IdempotencyMiddleware:
         self.store_policy = store_policy
         self.store_server_errors = store_server_errors
         self.retry_after_max = retry_after_max
+        if to_seconds(wait) < 0:
+            raise ValueError(f"wait must be 0 or more seconds, got {wait!r}")
+        self.wait = to_timedelta(wait)
         self.max_body_size = _body_limit(max_body_size)
         timeout = to_seconds(handler_timeout) if handler_timeout else 0.0
         self.handler_timeout = timeout if timeout > 0 else None
@@ -345,7 +354,7 @@ class IdempotencyMiddleware:
                 claim = await afetch_one(conn, HTTP_CLAIM_SQL, {
                     "key": key, "request": fp_text, "scope": idem_scope,
                     "lease": self.lease, "retention": self.retention,
-                    "wait": to_timedelta(0)})
+                    "wait": self.wait})
         except MisconfiguredError as e:
             await self._misconfigured(send, str(e))
             return
