@@ -391,6 +391,35 @@ async function finishOrLost(db, params, cause, sql = FINISH_SQL) {
 	}
 }
 
+/*
+ * The application's hooks: onClaim, onReplay, onConflict, onMismatch and
+ * onError, each called with an event (key, scope, request, and the token and
+ * attempt where there is one).  A hook observes: one that throws, or whose
+ * promise rejects, is logged and changes no answer, and a promise is not
+ * waited for.
+ */
+const HOOKS = { onClaim: 'claim', onReplay: 'replay', onConflict: 'conflict', onMismatch: 'mismatch', onError: 'error' };
+
+function makeHooks(options, log) {
+	const hooks = {};
+	for (const [option, name] of Object.entries(HOOKS)) {
+		const fn = options?.[option] ?? null;
+		if (fn !== null && typeof fn !== 'function')
+			throw new TypeError(`${option} must be a function, got ${typeof fn}`);
+		const failed = (err) => log(`pg-idempotency: the ${option} hook failed; the answer is unchanged`, err);
+		hooks[name] = fn === null ? () => {} : (event) => {
+			try {
+				const result = fn(event);
+				if (result && typeof result.then === 'function')
+					result.then(undefined, failed);
+			} catch (err) {
+				failed(err);
+			}
+		};
+	}
+	return hooks;
+}
+
 module.exports = {
 	DEFAULT_LEASE,
 	DEFAULT_RETENTION,
@@ -409,6 +438,7 @@ module.exports = {
 	toJsonText,
 	startHeartbeat,
 	defaultLog,
+	makeHooks,
 	phaseDataOf,
 	makeCheckpoint,
 	releaseOrLost,

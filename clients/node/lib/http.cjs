@@ -14,7 +14,7 @@ const { IdempotencyError, KeyLostError, MisconfiguredError } = require('./errors
 const {
 	DEFAULT_LEASE, DEFAULT_RETENTION, SQLSTATE, CLAIM_SQL, isUnavailable, knownDatabase,
 	misconfigurationDetail, poolInfo, isLostKey, seconds, positiveSeconds, toJsonText, startHeartbeat,
-	defaultLog, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
+	defaultLog, makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
 } = require('./core.cjs');
 const { parseIdempotencyKey, checkCustomKey } = require('./header.cjs');
 const {
@@ -163,6 +163,7 @@ function createEngine(options) {
 	/* a response stored without its body keeps no header that describes the body */
 	const omittedHeaders = storeHeaders.filter((h) => !BODY_HEADERS.has(h));
 	const log = options.log ?? defaultLog;
+	const hooks = makeHooks(options, log);
 	const cache = options.cache ? createCache(Math.max(1, options.cache.max ?? 1000)) : null;
 	const retentionHeader = String(Math.round(retention));
 	const logged = new Set();
@@ -313,8 +314,10 @@ function createEngine(options) {
 
 		if (cache) {
 			const hit = cache.get(cacheId, requestText);
-			if (hit)
+			if (hit) {
+				hooks.replay({ key, scope, request: req.original, status: hit.status, cached: true });
 				return { action: 'respond', response: hit, cached: true };
+			}
 		}
 
 		let client = null;
@@ -346,12 +349,14 @@ function createEngine(options) {
 		} catch (err) {
 			if (client)
 				await discard(client);
+			hooks.error({ key, scope, request: req.original, error: err });
 			return { action: 'respond', response: claimFailure(err, info?.database ?? knownDatabase(pool)) };
 		}
 
 		switch (claim.outcome) {
 			case 'replay': {
 				const response = replayResponse(claim);
+				hooks.replay({ key, scope, request: req.original, status: response.status, cached: false });
 				if (cache)
 					await fillCache(cacheId, requestText, response, claim, key, scope);
 				return { action: 'respond', response };
@@ -359,6 +364,7 @@ function createEngine(options) {
 			case 'in_progress': {
 				const wait = Math.ceil(Number(claim.retry_after ?? 1));
 				const retryAfter = String(Math.min(Math.max(1, Number.isFinite(wait) ? wait : 1), retryAfterMax));
+				hooks.conflict({ key, scope, request: req.original, retryAfter: Number(retryAfter) });
 				return {
 					action: 'respond',
 					response: problem('idempotency-key-in-use', 409,
@@ -368,6 +374,7 @@ function createEngine(options) {
 				};
 			}
 			case 'mismatch':
+				hooks.mismatch({ key, scope, request: req.original });
 				return {
 					action: 'respond',
 					response: problem('idempotency-key-reused', 422,
@@ -381,6 +388,8 @@ function createEngine(options) {
 		}
 
 		const token = claim.token;
+		hooks.claim({ key, scope, request: req.original, token, attempt: claim.attempt });
+		const failed = (error) => hooks.error({ key, scope, request: req.original, token, attempt: claim.attempt, error });
 		const controller = new AbortController();
 		let lost = false;
 		const onLost = (err) => {
@@ -457,6 +466,7 @@ function createEngine(options) {
 			if (lost) {
 				log(`pg-idempotency: key ${JSON.stringify(key)} was lost while its handler ran; ` +
 					'the result was not stored');
+				failed(new KeyLostError(key));
 				if (client) {
 					await discard(client);
 					client = null;
@@ -493,6 +503,7 @@ function createEngine(options) {
 				} catch (err) {
 					if (err instanceof KeyLostError) {
 						log(`pg-idempotency: key ${JSON.stringify(key)} was lost before its release`, err);
+						failed(err);
 						return lostKey();
 					}
 					log('pg-idempotency: release failed; the key frees itself when its lease ends', err);
@@ -589,6 +600,7 @@ function createEngine(options) {
 					await discard(client);
 					client = null;
 				}
+				failed(err);
 				if (err instanceof KeyLostError || isLostKey(err)) {
 					log(`pg-idempotency: key ${JSON.stringify(key)} was lost before its finish; ` +
 						'the result was not stored', err);

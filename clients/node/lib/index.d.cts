@@ -32,9 +32,38 @@ export type JsonValue = string | number | boolean | null | JsonValue[] | { [key:
 /** Durations are numbers of seconds (fractions allowed). */
 export type Seconds = number;
 
+// ---------------------------------------------------------------- hooks
+
+/** What a hook is told: the key, its scope and the request (a job's payload, or the HTTP request). */
+export interface HookEvent<Req = unknown> {
+	key: string;
+	scope: string;
+	request: Req;
+	/** The attempt's fencing token (decimal string) and number, where there is one. */
+	token?: string;
+	attempt?: number;
+}
+
+/**
+ * Callbacks that observe each answer (metrics, logs, traces). A hook that throws, or whose
+ * promise rejects, is logged and changes no answer; a promise is not waited for.
+ */
+export interface Hooks<Req = unknown> {
+	/** The key was claimed: the work or handler runs now. */
+	onClaim?: (event: HookEvent<Req> & { token: string; attempt: number }) => void | Promise<void>;
+	/** A stored result is returned (status: 'succeeded' or 'failed' for jobs, the HTTP status for requests). */
+	onReplay?: (event: HookEvent<Req> & { status: string | number; cached?: boolean }) => void | Promise<void>;
+	/** Another attempt holds the key: InProgressError, or 409 with Retry-After. */
+	onConflict?: (event: HookEvent<Req> & { retryAfter: number }) => void | Promise<void>;
+	/** The key was used for another request: MismatchError, or 422. */
+	onMismatch?: (event: HookEvent<Req>) => void | Promise<void>;
+	/** The store failed or the key was lost (not the application's own errors). */
+	onError?: (event: HookEvent<Req> & { error: unknown }) => void | Promise<void>;
+}
+
 // ---------------------------------------------------------------- jobs
 
-export interface IdempotentOptions {
+export interface IdempotentOptions extends Hooks {
 	/** The idempotency key (1 to 255 characters), e.g. a message id. */
 	key: string;
 	/** The request payload; the same key with a different payload throws MismatchError. Omit: no check. */
@@ -160,7 +189,7 @@ export function currentJob(): AttemptInfo | undefined;
 
 export type StoreDecision = 'succeeded' | 'failed' | 'release';
 
-export interface HttpOptions<Req> {
+export interface HttpOptions<Req> extends Hooks<Req> {
 	/** The pg pool. The transactional mode needs connect(). */
 	pool: PoolLike | Queryable;
 	/** The key's scope: tenant or principal, e.g. req.user.id. Never a client-chosen header unless you trust it. Default ''. */

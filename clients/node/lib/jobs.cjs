@@ -15,7 +15,7 @@ const {
 const {
 	DEFAULT_LEASE, DEFAULT_RETENTION, RECOVERY_EXTENSION_VERSION, CLAIM_SQL, SESSION_BOUND_CLAIM_SQL,
 	requireVersion, poolInfo, seconds, positiveSeconds, toJsonText, startHeartbeat, defaultLog,
-	phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
+	makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
 } = require('./core.cjs');
 
 /*
@@ -49,70 +49,99 @@ async function idempotent(pool, options, fn) {
 		throw new TypeError(`options.sessionBound must be a boolean, got ${String(options.sessionBound)}`);
 	const sessionBound = options.sessionBound === true;
 	const params = [key, request, scope, lease, retention, wait];
-	const info = await poolInfo(pool, log);
-	if (sessionBound)
-		requireVersion(info, RECOVERY_EXTENSION_VERSION, ' (sessionBound)');
-
-	/*
-	 * A session-bound claim through a pool runs on a client held until the
-	 * attempt settles: the key is bound to that session, which then lives as
-	 * long as the attempt.  Back in the pool, an idle client may be closed
-	 * (idleTimeoutMillis) and the key freed while the work still runs.
-	 */
-	let held = null;
-	let heldError;
-	let claim;
-	if (sessionBound && isPool(pool)) {
-		held = await pool.connect();
-		const onError = (err) => {
-			heldError = err;
-			log('pg-idempotency: the connection of a session-bound claim failed; ' +
-				'the key is free for another attempt', err);
-		};
-		held.on?.('error', onError);
-		const giveBack = () => {
-			held.off?.('error', onError);
-			held.release(heldError);
-			held = null;
-		};
-		try {
-			claim = (await held.query(SESSION_BOUND_CLAIM_SQL, params)).rows[0];
-		} catch (err) {
-			/* a connection error (no SQLSTATE) retires the client; a refused claim does not */
-			if (err?.code === undefined)
-				heldError = err;
-			giveBack();
-			throw err;
-		}
-		if (claim.outcome === 'claimed') {
-			try {
-				return await runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info }, fn);
-			} finally {
-				giveBack();
-			}
-		}
-		giveBack();
-	} else {
-		claim = (await pool.query(sessionBound ? SESSION_BOUND_CLAIM_SQL : CLAIM_SQL, params)).rows[0];
+	const hooks = makeHooks(options, log);
+	const event = { key, scope, request: options.request ?? null };
+	/* the application's own error (fn threw it), which onError does not report */
+	const seen = { user: undefined };
+	try {
+		return await claimAndRun();
+	} catch (err) {
+		if (err !== seen.user && !(err instanceof InProgressError) && !(err instanceof MismatchError) &&
+			!(err instanceof StoredFailureError))
+			hooks.error({ ...event, error: err });
+		throw err;
 	}
-	switch (claim.outcome) {
-		case 'replay':
-			if (claim.status === 'failed')
-				throw new StoredFailureError(key, claim.error === null ? null : JSON.parse(claim.error));
-			return { replayed: true, value: storedValue(claim), attempt: null, token: null };
-		case 'in_progress':
-			throw new InProgressError(key, claim.retry_after ?? 1);
-		case 'mismatch':
-			throw new MismatchError(key);
-		case 'claimed':
-			return runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info }, fn);
-		default:
-			throw new IdempotencyError(`unexpected claim outcome ${claim.outcome}`);
+
+	/* the claim's outcome, told to the application's hooks */
+	function announce(claim) {
+		if (claim.outcome === 'claimed')
+			hooks.claim({ ...event, token: claim.token, attempt: claim.attempt });
+		else if (claim.outcome === 'replay')
+			hooks.replay({ ...event, status: claim.status });
+		else if (claim.outcome === 'in_progress')
+			hooks.conflict({ ...event, retryAfter: Number(claim.retry_after ?? 1) });
+		else if (claim.outcome === 'mismatch')
+			hooks.mismatch(event);
+	}
+
+	async function claimAndRun() {
+		const info = await poolInfo(pool, log);
+		if (sessionBound)
+			requireVersion(info, RECOVERY_EXTENSION_VERSION, ' (sessionBound)');
+
+		/*
+		 * A session-bound claim through a pool runs on a client held until the
+		 * attempt settles: the key is bound to that session, which then lives as
+		 * long as the attempt.  Back in the pool, an idle client may be closed
+		 * (idleTimeoutMillis) and the key freed while the work still runs.
+		 */
+		let held = null;
+		let heldError;
+		let claim;
+		if (sessionBound && isPool(pool)) {
+			held = await pool.connect();
+			const onError = (err) => {
+				heldError = err;
+				log('pg-idempotency: the connection of a session-bound claim failed; ' +
+					'the key is free for another attempt', err);
+			};
+			held.on?.('error', onError);
+			const giveBack = () => {
+				held.off?.('error', onError);
+				held.release(heldError);
+				held = null;
+			};
+			try {
+				claim = (await held.query(SESSION_BOUND_CLAIM_SQL, params)).rows[0];
+			} catch (err) {
+				/* a connection error (no SQLSTATE) retires the client; a refused claim does not */
+				if (err?.code === undefined)
+					heldError = err;
+				giveBack();
+				throw err;
+			}
+			announce(claim);
+			if (claim.outcome === 'claimed') {
+				try {
+					return await runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info, seen }, fn);
+				} finally {
+					giveBack();
+				}
+			}
+			giveBack();
+		} else {
+			claim = (await pool.query(sessionBound ? SESSION_BOUND_CLAIM_SQL : CLAIM_SQL, params)).rows[0];
+			announce(claim);
+		}
+		switch (claim.outcome) {
+			case 'replay':
+				if (claim.status === 'failed')
+					throw new StoredFailureError(key, claim.error === null ? null : JSON.parse(claim.error));
+				return { replayed: true, value: storedValue(claim), attempt: null, token: null };
+			case 'in_progress':
+				throw new InProgressError(key, claim.retry_after ?? 1);
+			case 'mismatch':
+				throw new MismatchError(key);
+			case 'claimed':
+				return runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info, seen }, fn);
+			default:
+				throw new IdempotencyError(`unexpected claim outcome ${claim.outcome}`);
+		}
 	}
 }
 
 /* run fn for a claimed key, keep its lease alive, then store its result or give the key back */
-async function runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info }, fn) {
+async function runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info, seen }, fn) {
 	const token = claim.token;
 	const attempt = claim.attempt;
 	const controller = new AbortController();
@@ -137,6 +166,8 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, retryable
 		await heartbeat.stop();
 		if (lost)
 			throw err instanceof KeyLostError ? err : new KeyLostError(key, { cause: err });
+		if (seen)
+			seen.user = err;
 		if (retryable(err)) {
 			await releaseOrLost(pool, key, token, scope, err);
 			throw err;
@@ -157,6 +188,8 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, retryable
 		/* no value is JSON null, as the Python library stores None */
 		envelope = `{"v":1,"json":${value === undefined ? 'null' : toJsonText(value, 'the return value')}}`;
 	} catch (err) {
+		if (seen)
+			seen.user = err;
 		await releaseOrLost(pool, key, token, scope, err);
 		throw err;
 	}

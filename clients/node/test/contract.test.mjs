@@ -34,13 +34,29 @@ after(async () => {
 	await db.end();
 });
 
-/* the runner-level options become the middleware's */
-function middlewareOptions(options = {}) {
-	const { keyHeader, pool: which, ...rest } = options;
+/* the runner-level options become the middleware's; hooks record into `heard` */
+function middlewareOptions(options = {}, heard = []) {
+	const { keyHeader, pool: which, hooks, ...rest } = options;
 	const out = { ...rest, pool: which === 'without-extension' ? noExtensionPool : pool, log: () => {} };
 	if (keyHeader)
 		out.key = (req) => req.headers[keyHeader] ?? null;
+	if (hooks) {
+		for (const [option, name] of [['onClaim', 'claim'], ['onReplay', 'replay'],
+			['onConflict', 'conflict'], ['onMismatch', 'mismatch'], ['onError', 'error']]) {
+			out[option] = (event) => {
+				heard.push({ name, key: event.key, scope: event.scope, hasRequest: event.request !== undefined });
+				if (hooks === 'throw')
+					throw new Error(`the ${option} hook throws`);
+			};
+		}
+	}
 	return out;
+}
+
+/* the key a request names in its header, as the hooks see it */
+function keyOf(spec, runId) {
+	const value = spec.headers?.['idempotency-key'];
+	return value === undefined ? undefined : value.replaceAll('{run}', runId).replace(/^"(.*)"$/, '$1');
 }
 
 /* the case's handler: counts its runs, holds the first one when asked */
@@ -185,7 +201,8 @@ for (const target of targets) {
 		for (const c of contract.cases) {
 			test(c.name, async () => {
 				const handler = makeHandler(c.handler ?? {});
-				const app = await target.start(middlewareOptions(c.options), handler);
+				const heard = [];
+				const app = await target.start(middlewareOptions(c.options, heard), handler);
 				const runId = randomUUID();
 				const background = [];
 				try {
@@ -201,6 +218,15 @@ for (const target of targets) {
 						const answer = spec.waits ? await waitingRequest(app.url, spec, runId, handler)
 							: await request(app.url, spec, runId);
 						check(answer, spec.expect, handler.state.runs, where);
+						if (spec.expect.hooks !== undefined) {
+							assert.deepEqual(heard.map((h) => h.name), spec.expect.hooks, `${where}: hooks`);
+							for (const h of heard) {
+								assert.equal(h.key, keyOf(spec, runId), `${where}: the ${h.name} hook's key`);
+								assert.equal(h.scope, '', `${where}: the ${h.name} hook's scope`);
+								assert.ok(h.hasRequest, `${where}: the ${h.name} hook's request`);
+							}
+						}
+						heard.length = 0;
 					}
 				} finally {
 					handler.state.release.resolve();

@@ -87,6 +87,82 @@ test('in progress elsewhere: InProgressError with retryAfter; with wait, the sto
 	assert.equal(waited.value, 'done');
 });
 
+/* hooks that record what they hear; with `throws`, each then throws */
+function recordingHooks(heard, { throws = false } = {}) {
+	const hooks = {};
+	for (const [option, name] of [['onClaim', 'claim'], ['onReplay', 'replay'],
+		['onConflict', 'conflict'], ['onMismatch', 'mismatch'], ['onError', 'error']]) {
+		hooks[option] = (event) => {
+			heard.push({ name, ...event });
+			if (throws)
+				throw new Error(`the ${option} hook throws`);
+		};
+	}
+	return hooks;
+}
+
+test('hooks hear each outcome of a job; one that throws or rejects changes nothing', async () => {
+	for (const throws of [false, true]) {
+		const heard = [];
+		const logged = [];
+		const hooks = { ...recordingHooks(heard, { throws }), log: (message) => logged.push(message) };
+		const key = newKey('hooks');
+		const request = { amount: 100 };
+		const first = await idempotent(pool, { key, request, scope: 'h', ...hooks }, async () => 'booked');
+		assert.equal(first.value, 'booked');
+		const again = await idempotent(pool, { key, request, scope: 'h', ...hooks }, async () => 'twice');
+		assert.deepEqual([again.replayed, again.value], [true, 'booked']);
+		await assert.rejects(idempotent(pool, { key, request: { amount: 1 }, scope: 'h', ...hooks }, async () => 'no'),
+			MismatchError);
+		const busy = newKey('hooks');
+		const entered = deferred();
+		const release = deferred();
+		const owner = idempotent(pool, { key: busy, scope: 'h', ...hooks }, async () => {
+			entered.resolve();
+			await release.promise;
+			return 'done';
+		});
+		await entered.promise;
+		await assert.rejects(idempotent(pool, { key: busy, scope: 'h', ...hooks }, async () => 'twice'), InProgressError);
+		release.resolve();
+		await owner;
+		/* the application's own error is not the store's: no onError */
+		const boom = new Error('downstream timeout');
+		const failing = newKey('hooks');
+		await assert.rejects(idempotent(pool, { key: failing, scope: 'h', ...hooks }, async () => { throw boom; }),
+			(e) => e === boom);
+		assert.deepEqual(heard.map((h) => h.name), ['claim', 'replay', 'mismatch', 'claim', 'conflict', 'claim'],
+			`throws: ${throws}`);
+		assert.deepEqual(heard.map((h) => h.key), [key, key, key, busy, busy, failing]);
+		assert.ok(heard.every((h) => h.scope === 'h'));
+		assert.equal(heard[0].attempt, 1);
+		assert.equal(heard[0].token, first.token);
+		assert.deepEqual(heard[0].request, request);
+		assert.equal(heard[1].status, 'succeeded');
+		assert.ok(heard[4].retryAfter >= 1);
+		assert.equal(logged.filter((m) => /hook failed; the answer is unchanged/.test(m)).length, throws ? 6 : 0);
+	}
+});
+
+test('onError hears a store that fails, and a rejecting hook is logged', async () => {
+	const heard = [];
+	const logged = [];
+	const broken = { query: async () => { throw Object.assign(new Error('connection refused'), { code: 'ECONNREFUSED' }); } };
+	const err = await idempotent(broken, {
+		key: newKey('hooks'), log: (message) => logged.push(message),
+		onError: async (event) => { heard.push(event); throw new Error('the hook rejects'); },
+	}, async () => 'never').catch((e) => e);
+	assert.equal(err.code, 'ECONNREFUSED');
+	assert.equal(heard.length, 1);
+	assert.equal(heard[0].error, err);
+	await waitFor(() => logged.some((m) => /onError hook failed/.test(m)), 'the rejected hook logged');
+});
+
+test('a hook that is not a function is a TypeError before any statement', async () => {
+	await assert.rejects(idempotent(pool, { key: newKey('hooks'), onClaim: 'yes' }, async () => 1),
+		/onClaim must be a function/);
+});
+
 test('a retryable error releases the key and is rethrown; the next call is a fresh attempt', async () => {
 	const key = newKey('job');
 	const boom = new Error('downstream timeout');

@@ -11,7 +11,7 @@ import re
 import threading
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import httpx
 import psycopg
@@ -19,7 +19,7 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from conftest import Server, database_with_extension, with_pool_lifespan
-from pg_idempotency import IdempotencyMiddleware
+from pg_idempotency import HookEvent, IdempotencyMiddleware
 from pg_idempotency.asgi import PROBLEMS as LIBRARY_PROBLEMS
 
 CONTRACT = Path(os.environ.get("IDEM_CONTRACT")
@@ -28,7 +28,7 @@ SPEC: Dict[str, Any] = json.loads(CONTRACT.read_text(encoding="utf-8"))
 PROBLEMS: Dict[str, Any] = SPEC["problems"]
 
 # runner-level options, not passed to the middleware as they are
-RUNNER_OPTIONS = ("keyHeader", "pool")
+RUNNER_OPTIONS = ("keyHeader", "pool", "hooks")
 
 
 def snake(name: str) -> str:
@@ -79,12 +79,31 @@ def payload(spec: Dict[str, Any], run: str = "") -> bytes:
     return str(spec.get("body", "")).replace("{run}", run).encode("utf-8")
 
 
-def make_app(handler: Handler, pool: AsyncConnectionPool, options: Dict[str, Any]) -> Any:
+def make_app(handler: Handler, pool: AsyncConnectionPool, options: Dict[str, Any],
+             heard: List[HookEvent]) -> Any:
     kwargs = {snake(k): v for k, v in options.items() if k not in RUNNER_OPTIONS}
     if "keyHeader" in options:
         name = options["keyHeader"]
         kwargs["key"] = lambda req: req.header(name)
+    if "hooks" in options:
+        throws = options["hooks"] == "throw"
+
+        def hook(event: HookEvent) -> None:
+            heard.append(event)
+            if throws:
+                raise RuntimeError(f"the on_{event.kind} hook raises")
+        for name in ("claim", "replay", "conflict", "mismatch", "error"):
+            kwargs[f"on_{name}"] = hook
     return with_pool_lifespan(IdempotencyMiddleware(handler, pool=pool, **kwargs), pool)
+
+
+def key_of(spec: Dict[str, Any], run: str) -> Optional[str]:
+    """The key a request names in its header, as the hooks see it."""
+    value = spec.get("headers", {}).get("idempotency-key")
+    if value is None:
+        return None
+    value = value.replace("{run}", run)
+    return value[1:-1] if len(value) >= 2 and value[0] == value[-1] == '"' else value
 
 
 @pytest.fixture(scope="module")
@@ -169,12 +188,13 @@ def test_contract(case: Dict[str, Any], request: Any) -> None:
     if options.get("pool") == "without-extension":
         conninfo = f"dbname={request.getfixturevalue('database_without_extension')}"
     handler = Handler(case["handler"])
+    heard: List[HookEvent] = []
     # application_name tells the runner's claims from others' (a waiting claim)
     pool = AsyncConnectionPool(conninfo + " application_name=idem-contract",
                                min_size=1, max_size=4, open=False)
     run = uuid.uuid4().hex
     background: List[Any] = []
-    with Server(make_app(handler, pool, options)) as server, \
+    with Server(make_app(handler, pool, options, heard)) as server, \
             httpx.Client(base_url=server.url, timeout=60) as client:
         try:
             for i, spec in enumerate(case["requests"]):
@@ -197,6 +217,13 @@ def test_contract(case: Dict[str, Any], request: Any) -> None:
                 response = (send_waiting(server.url, spec, run, handler) if spec.get("waits")
                             else send_request(client, spec, run))
                 check(response, spec["expect"], handler, what)
+                if "hooks" in spec["expect"]:
+                    assert [e.kind for e in heard] == spec["expect"]["hooks"], f"{what}: hooks"
+                    for e in heard:
+                        assert e.key == key_of(spec, run), f"{what}: the on_{e.kind} hook's key"
+                        assert e.scope == "", f"{what}: the on_{e.kind} hook's scope"
+                        assert e.request is not None, f"{what}: the on_{e.kind} hook's request"
+                heard.clear()
         finally:
             handler.release.set()
         for thread, result, spec, what in background:

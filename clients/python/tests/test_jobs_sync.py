@@ -106,6 +106,60 @@ def test_in_progress_and_mismatch(pool: ConnectionPool, db: Any, key: str) -> No
     assert stored(db, key) == ("succeeded", 1, None, {"v": 1, "json": 1})
 
 
+@pytest.mark.parametrize("raises", [False, True])
+def test_hooks_hear_each_outcome(pool: ConnectionPool, db: Any, key: str, raises: bool,
+                                 caplog: Any) -> None:
+    """Every outcome reaches its hook with the key, scope and request; the
+    block's own exception is not the store's error; a hook that raises is
+    logged and changes nothing."""
+    heard: List[Any] = []
+
+    def hook(event: Any) -> None:
+        heard.append(event)
+        if raises:
+            raise RuntimeError(f"the on_{event.kind} hook raises")
+    hooks = {f"on_{n}": hook for n in ("claim", "replay", "conflict", "mismatch", "error")}
+    with idempotent(pool, key, request={"amount": 5}, scope="h", **hooks) as job:
+        job.set_result("booked")
+    with idempotent(pool, key, request={"amount": 5}, scope="h", **hooks) as again:
+        assert again.replayed and again.value == "booked"
+    with pytest.raises(MismatchError):
+        with idempotent(pool, key, request={"amount": 6}, scope="h", **hooks):
+            pass
+    with idempotent(pool, key + "-busy", scope="h", **hooks) as owner:
+        with pytest.raises(InProgressError):
+            with idempotent(pool, key + "-busy", scope="h", **hooks):
+                pass
+        owner.set_result("done")
+    with pytest.raises(Transient):
+        with idempotent(pool, key + "-own", scope="h", **hooks):
+            raise Transient()
+    assert [e.kind for e in heard] == ["claim", "replay", "mismatch", "claim", "conflict", "claim"]
+    assert [e.key for e in heard] == [key, key, key, key + "-busy", key + "-busy", key + "-own"]
+    assert all(e.scope == "h" for e in heard)
+    assert heard[0].request == {"amount": 5} and heard[0].attempt == 1
+    assert heard[0].token == job.token
+    assert heard[1].status == "succeeded"
+    assert heard[4].retry_after is not None and heard[4].retry_after >= 1
+    failed = [r for r in caplog.records if "hook failed; the answer is unchanged" in r.getMessage()]
+    assert len(failed) == (6 if raises else 0)
+
+
+def test_on_error_hears_a_store_that_fails(db: Any, key: str) -> None:
+    heard: List[Any] = []
+    with ConnectionPool("dbname=idem_no_such_database_for_hooks", min_size=0, max_size=1,
+                        timeout=1, open=True) as broken:
+        with pytest.raises(Exception) as raised:
+            with idempotent(broken, key, on_error=heard.append):
+                pass
+    assert len(heard) == 1 and heard[0].kind == "error" and heard[0].error is raised.value
+
+
+def test_a_hook_that_is_not_callable_is_refused(pool: ConnectionPool, key: str) -> None:
+    with pytest.raises(TypeError, match="on_claim must be callable"):
+        idempotent(pool, key, on_claim="yes")  # type: ignore[arg-type]
+
+
 def test_wait_for_the_attempt_in_flight(pool: ConnectionPool, db: Any, key: str) -> None:
     holder = db.execute("SELECT token FROM idempotency.idem_claim(%s, lease => '1 hour')",
                         (key,)).fetchone()[0]

@@ -13,6 +13,8 @@
  *                   request that takes the key over after a crash resumes
  *                   after the last completed step instead of starting again.
  *   GET  /healthz   liveness.
+ *   GET  /metrics   the middleware's answers counted by its hooks, in the
+ *                   Prometheus text format (a scrape target as is).
  *
  * The Idempotency-Key handling is the pg-idempotency package's Express
  * middleware (clients/node).  Validation runs before it, so a malformed request
@@ -124,17 +126,34 @@ function createApp({ pool, downstreamUrl, lease, retention, faults = false, log,
 	/* the fingerprint hashes the raw body bytes: keep them */
 	app.use(express.json({ verify: rawBody }));
 
+	/* one counter per outcome, fed by the middleware's hooks */
+	const answers = { claim: 0, replay: 0, conflict: 0, mismatch: 0, error: 0 };
+	const count = (outcome) => () => { answers[outcome] += 1; };
+
 	const idem = expressIdempotency({
 		pool,
 		lease,
 		retention,
 		log,
+		onClaim: count('claim'),
+		onReplay: count('replay'),
+		onConflict: count('conflict'),
+		onMismatch: count('mismatch'),
+		onError: count('error'),
 		/* tenants: the same key from two clients names two operations */
 		scope: (req) => req.get('X-Client-Id') ?? '',
 		problemTypeBase: PROBLEMS,
 	});
 
 	app.get('/healthz', (req, res) => res.json({ ok: true }));
+
+	app.get('/metrics', (req, res) => {
+		const lines = ['# HELP idempotency_answers_total Answers of the Idempotency-Key middleware, by outcome.',
+			'# TYPE idempotency_answers_total counter'];
+		for (const [outcome, n] of Object.entries(answers))
+			lines.push(`idempotency_answers_total{outcome="${outcome}"} ${n}`);
+		res.type('text/plain; version=0.0.4').send(lines.join('\n') + '\n');
+	});
 
 	/*
 	 * (a) external call: at least once towards the processor, deduped there.

@@ -214,6 +214,27 @@ describe('external-call mode (POST /payments)', () => {
 	});
 });
 
+/* the service's /metrics counters, by outcome */
+async function metrics() {
+	const text = await (await fetch(`${service.url}/metrics`)).text();
+	const counts = {};
+	for (const [, outcome, n] of text.matchAll(/^idempotency_answers_total\{outcome="(\w+)"\} (\d+)$/gm))
+		counts[outcome] = Number(n);
+	return counts;
+}
+
+test('GET /metrics counts the answers through the hooks: a claim, a replay, a mismatch', async () => {
+	const before = await metrics();
+	assert.deepEqual(Object.keys(before).sort(), ['claim', 'conflict', 'error', 'mismatch', 'replay']);
+	const key = newKey();
+	assert.equal((await pay(key)).status, 201);
+	assert.equal((await pay(key)).status, 201);
+	assert.equal((await pay(key, { amount: 1, currency: 'EUR' })).status, 422);
+	const after = await metrics();
+	const delta = Object.fromEntries(Object.keys(after).map((o) => [o, after[o] - before[o]]));
+	assert.deepEqual(delta, { claim: 1, replay: 1, conflict: 0, mismatch: 1, error: 0 });
+});
+
 describe('in-transaction mode (POST /orders)', () => {
 	test('the order and the stored result commit together; a retry replays', async () => {
 		const key = newKey();

@@ -14,6 +14,7 @@ from .asgi import (DEFAULT_STORE_HEADERS, FRAMING_HEADERS, IdempotencyAttempt,
                    default_store_policy)
 from .cache import CachedResult, ResultCache
 from .header import KeyHeader, parse_idempotency_key
+from .hooks import Hook, HookEvent
 from .jobs import (AsyncIdempotent, AsyncJob, Idempotent, Job, Retryable, current_job,
                    idempotent, idempotent_job)
 
@@ -21,7 +22,7 @@ __version__ = PACKAGE_VERSION
 
 __all__ = [
     "AsyncIdempotent", "AsyncJob", "CachedResult", "DEFAULT_STORE_HEADERS", "Duration",
-    "FRAMING_HEADERS", "IdempotencyAttempt", "IdempotencyError", "IdempotencyMiddleware",
+    "FRAMING_HEADERS", "Hook", "HookEvent", "IdempotencyAttempt", "IdempotencyError", "IdempotencyMiddleware",
     "IdempotencyRequest", "Idempotent", "InProgressError", "Job", "KeyHeader", "KeyLostError",
     "MismatchError", "MisconfiguredError", "ResultCache", "Retryable", "StoreDecision",
     "StorePolicy", "StoredFailureError", "current_job", "default_store_policy", "idempotent",

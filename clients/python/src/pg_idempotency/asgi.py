@@ -23,6 +23,7 @@ belong in a job on a connection inside a transaction (``jobs.idempotent``).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import inspect
 import json
@@ -40,19 +41,24 @@ from psycopg_pool import AsyncConnectionPool
 
 from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX_KEY_LENGTH,
                     RELEASE_SQL, SERVER_INFO_SQL, UNAVAILABLE_SQLSTATES, ClaimRow, Duration,
-                    MisconfiguredError, ServerInfo, acall_with_retry, afetch_one, envelope_body,
+                    KeyLostError, MisconfiguredError, ServerInfo, acall_with_retry, afetch_one, envelope_body,
                     http_envelope, is_envelope, is_json_media_type, is_lost, json_body_text,
                     known_server_info, misconfiguration, released_before,
                     remember_server_info, server_info, to_seconds, to_timedelta,
                     too_large_envelope)
 from .cache import CachedResult, ResultCache
 from .header import parse_idempotency_key
+from .hooks import Hook, Hooks
 
 __all__ = ["IdempotencyMiddleware", "IdempotencyRequest", "IdempotencyAttempt",
            "default_store_policy", "StorePolicy", "StoreDecision", "DEFAULT_STORE_HEADERS",
            "FRAMING_HEADERS"]
 
 log = logging.getLogger("pg_idempotency")
+
+# The request being answered, for the hooks of the paths that only get its key.
+_REQUEST: "contextvars.ContextVar[Any]" = contextvars.ContextVar("pg_idempotency_request",
+                                                                 default=None)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -229,6 +235,9 @@ class IdempotencyMiddleware:
     or 'release' (default ``default_store_policy``); ``store_server_errors``
     (default False) stores 5xx as failed under the default policy.
     ``retry_after_max`` (default 5 s): cap of ``Retry-After`` on a 409.
+    ``on_claim``, ``on_replay``, ``on_conflict``, ``on_mismatch``, ``on_error``:
+    hooks called with a ``HookEvent`` for each answer (see ``pg_idempotency.hooks``);
+    one that raises is logged and changes no answer.
     ``wait`` (default 0): how long a duplicate that arrives while the original
     runs waits for the original's answer: it gets the stored response when
     the original finishes within the wait (or runs the app itself when the
@@ -259,7 +268,10 @@ class IdempotencyMiddleware:
                  handler_timeout: Optional[Duration] = 300,
                  problem_type_base: str = "urn:idempotency:problem:",
                  cache: Union[None, int, ResultCache] = None,
-                 logger: Optional[logging.Logger] = None) -> None:
+                 logger: Optional[logging.Logger] = None,
+                 on_claim: Optional[Hook] = None, on_replay: Optional[Hook] = None,
+                 on_conflict: Optional[Hook] = None, on_mismatch: Optional[Hook] = None,
+                 on_error: Optional[Hook] = None) -> None:
         self.app = app
         self.pool = pool
         self.methods = frozenset(m.upper() for m in methods)
@@ -287,6 +299,8 @@ class IdempotencyMiddleware:
         self.problem_type_base = problem_type_base
         self.cache = ResultCache(cache) if isinstance(cache, int) else cache
         self.log = logger or log
+        self.hooks = Hooks(self.log, on_claim=on_claim, on_replay=on_replay,
+                           on_conflict=on_conflict, on_mismatch=on_mismatch, on_error=on_error)
         # each cause of a misconfiguration is logged once, not once per request
         self._logged_causes: Set[str] = set()
 
@@ -341,10 +355,13 @@ class IdempotencyMiddleware:
         assert key is not None
         idem_scope = "" if self.scope_of is None else str(await _maybe_await(self.scope_of(req)))
         fp_text = await self._fingerprint_text(req)
+        _REQUEST.set(req)
 
         if self.cache is not None:
             hit = self.cache.get(idem_scope, key, fp_text)
             if hit is not None:
+                self.hooks.emit("replay", key, idem_scope, request=req,
+                                status=hit.response_code, cached=True)
                 await self._replay(send, hit.response_code, hit.response_body, hit.body_text)
                 return
 
@@ -356,9 +373,11 @@ class IdempotencyMiddleware:
                     "lease": self.lease, "retention": self.retention,
                     "wait": self.wait})
         except MisconfiguredError as e:
+            self.hooks.emit("error", key, idem_scope, request=req, error=e)
             await self._misconfigured(send, str(e))
             return
         except psycopg.Error as e:
+            self.hooks.emit("error", key, idem_scope, request=req, error=e)
             detail = misconfiguration(e, self._database())
             if detail is None and isinstance(e, psycopg_pool.PoolTimeout) \
                     and known_server_info(self.pool) is None:
@@ -374,6 +393,7 @@ class IdempotencyMiddleware:
         body_text: Optional[str] = claim[7]
 
         if row.outcome == "replay":
+            self.hooks.emit("replay", key, idem_scope, request=req, status=row.response_code)
             if self.cache is not None:
                 await self._fill_cache(row, body_text, key, idem_scope, fp_text)
             await self._replay(send, row.response_code, row.response_body, body_text)
@@ -381,10 +401,12 @@ class IdempotencyMiddleware:
             # whole seconds, never past the cap (a fractional cap rounds down)
             wait = min(max(1, math.ceil(row.retry_after or 1)),
                        max(1, math.floor(self.retry_after_max)))
+            self.hooks.emit("conflict", key, idem_scope, request=req, retry_after=wait)
             await self._problem(send, "idempotency-key-in-use",
                                 "A request with this Idempotency-Key is still being processed; "
                                 "retry later.", [(b"retry-after", str(wait).encode())])
         elif row.outcome == "mismatch":
+            self.hooks.emit("mismatch", key, idem_scope, request=req)
             await self._problem(send, "idempotency-key-reused",
                                 "This Idempotency-Key was used with a different request "
                                 "(method, path or body).")
@@ -393,6 +415,8 @@ class IdempotencyMiddleware:
             attempt = IdempotencyAttempt(key=key, scope=idem_scope, token=str(row.token),
                                          attempt=int(row.attempt or 1))
             scope.setdefault("state", {})["idempotency"] = attempt
+            self.hooks.emit("claim", key, idem_scope, request=req, token=attempt.token,
+                            attempt=attempt.attempt)
             # Shielded: a server that cancels the request when the client goes
             # away still lets the app finish and its result be stored.
             task = asyncio.ensure_future(self._run_claimed(
@@ -662,6 +686,8 @@ class IdempotencyMiddleware:
         if is_lost(err):
             await self._lost(send, key, ids["scope"], err.sqlstate or "")
             return None
+        self.hooks.emit("error", key, ids["scope"], request=_REQUEST.get(), token=str(ids["token"]),
+                        error=err)
         detail = misconfiguration(err, self._database(), "store of the result")
         if detail is None and _is_unavailable(err):
             self.log.warning("could not store the result of idempotency key %r (scope %r): "
@@ -734,6 +760,8 @@ class IdempotencyMiddleware:
                     sqlstate: str) -> None:
         self.log.warning("lost the claim on idempotency key %r (scope %r, SQLSTATE %s): "
                          "the response was not stored", key, idem_scope, sqlstate)
+        self.hooks.emit("error", key, idem_scope, request=_REQUEST.get(),
+                        error=KeyLostError(key=key, scope=idem_scope, sqlstate=sqlstate or None))
         if send is None:
             return
         await self._problem(send, "idempotency-key-lost",

@@ -68,6 +68,8 @@ from ._core import (CHECKPOINT_EXTENSION, CHECKPOINT_SQL, CLAIM_SQL, EXTEND_SQL,
 __all__ = ["Job", "AsyncJob", "Idempotent", "AsyncIdempotent", "idempotent",
            "idempotent_job", "current_job", "Retryable"]
 
+from .hooks import Hook, Hooks
+
 log = logging.getLogger("pg_idempotency")
 
 SyncDB = Union["psycopg.Connection[Any]", ConnectionPool]
@@ -285,6 +287,19 @@ def _needs(session_bound: bool) -> Tuple[Tuple[int, ...], str]:
     return MIN_EXTENSION, ""
 
 
+def _announce(hooks: Hooks, row: ClaimRow, key: str, scope: str, request: Any) -> None:
+    """Tell the application's hooks the claim's outcome."""
+    if row.outcome == "claimed":
+        hooks.emit("claim", key, scope, request=request, token=str(row.token),
+                   attempt=int(row.attempt or 1))
+    elif row.outcome == "replay":
+        hooks.emit("replay", key, scope, request=request, status=row.status)
+    elif row.outcome == "in_progress":
+        hooks.emit("conflict", key, scope, request=request, retry_after=int(row.retry_after or 1))
+    elif row.outcome == "mismatch":
+        hooks.emit("mismatch", key, scope, request=request)
+
+
 def _claim_outcome(row: ClaimRow, key: str, scope: str) -> None:
     """Raise for the outcomes that never run the block."""
     if row.outcome == "in_progress":
@@ -447,7 +462,7 @@ class Idempotent:
     def __init__(self, db: SyncDB, key: str, *, request: Any = None, scope: str = "",
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                  wait: Duration = 0, retryable: Optional[Retryable] = None,
-                 session_bound: bool = False) -> None:
+                 session_bound: bool = False, hooks: Optional[Hooks] = None) -> None:
         self._runner = _SyncRunner(db)
         self.key = key
         self.scope = scope
@@ -457,6 +472,7 @@ class Idempotent:
         self._wait = wait
         self._retryable = _retryable_predicate(retryable)
         self._session_bound = bool(session_bound)
+        self._hooks = hooks if hooks is not None else Hooks(log)
         self._job: Optional[Job] = None
         self._heartbeat: Optional[_SyncHeartbeat] = None
         # A beat and a checkpoint never overlap, and no beat runs while a
@@ -470,14 +486,19 @@ class Idempotent:
 
     def __enter__(self) -> Job:
         tx_mode = self._runner.in_transaction()
-        self._runner.info(*_needs(self._session_bound))
-        row = ClaimRow(*self._runner.claim(
-            SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
-            _claim_params(self.key, self._request, self.scope, self._lease,
-                          self._retention, self._wait),
-            hold=self._session_bound))
+        try:
+            self._runner.info(*_needs(self._session_bound))
+            row = ClaimRow(*self._runner.claim(
+                SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
+                _claim_params(self.key, self._request, self.scope, self._lease,
+                              self._retention, self._wait),
+                hold=self._session_bound))
+        except Exception as e:
+            self._hooks.emit("error", self.key, self.scope, request=self._request, error=e)
+            raise
         if row.outcome != "claimed":
             self._runner.release_held()
+        _announce(self._hooks, row, self.key, self.scope, self._request)
         _claim_outcome(row, self.key, self.scope)
         replayed = row.outcome == "replay"
         job = Job(self, key=self.key, scope=self.scope, replayed=replayed,
@@ -510,7 +531,12 @@ class Idempotent:
                 # an exception rolls the block's writes back to the savepoint
                 self._savepoint.__exit__(exc_type, exc, tb)
             if exc is None:
-                self._settle_clean(job)
+                try:
+                    self._settle_clean(job)
+                except Exception as e:
+                    self._hooks.emit("error", self.key, self.scope, request=self._request,
+                                     token=str(job._token), attempt=job.attempt, error=e)
+                    raise
             else:
                 self._settle_error(job, exc)
         finally:
@@ -728,7 +754,7 @@ class AsyncIdempotent:
     def __init__(self, db: AsyncDB, key: str, *, request: Any = None, scope: str = "",
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                  wait: Duration = 0, retryable: Optional[Retryable] = None,
-                 session_bound: bool = False) -> None:
+                 session_bound: bool = False, hooks: Optional[Hooks] = None) -> None:
         self._runner = _AsyncRunner(db)
         self.key = key
         self.scope = scope
@@ -738,6 +764,7 @@ class AsyncIdempotent:
         self._wait = wait
         self._retryable = _retryable_predicate(retryable)
         self._session_bound = bool(session_bound)
+        self._hooks = hooks if hooks is not None else Hooks(log)
         self._job: Optional[AsyncJob] = None
         self._heartbeat: Optional[_AsyncHeartbeat] = None
         # see Idempotent._beat_lock (made in __aenter__, inside the event loop)
@@ -749,14 +776,19 @@ class AsyncIdempotent:
     async def __aenter__(self) -> AsyncJob:
         self._beat_lock = asyncio.Lock()
         tx_mode = self._runner.in_transaction()
-        await self._runner.info(*_needs(self._session_bound))
-        row = ClaimRow(*await self._runner.claim(
-            SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
-            _claim_params(self.key, self._request, self.scope, self._lease,
-                          self._retention, self._wait),
-            hold=self._session_bound))
+        try:
+            await self._runner.info(*_needs(self._session_bound))
+            row = ClaimRow(*await self._runner.claim(
+                SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
+                _claim_params(self.key, self._request, self.scope, self._lease,
+                              self._retention, self._wait),
+                hold=self._session_bound))
+        except Exception as e:
+            self._hooks.emit("error", self.key, self.scope, request=self._request, error=e)
+            raise
         if row.outcome != "claimed":
             await self._runner.release_held()
+        _announce(self._hooks, row, self.key, self.scope, self._request)
         _claim_outcome(row, self.key, self.scope)
         replayed = row.outcome == "replay"
         job = AsyncJob(self, key=self.key, scope=self.scope, replayed=replayed,
@@ -790,7 +822,12 @@ class AsyncIdempotent:
             if self._savepoint is not None:
                 await self._savepoint.__aexit__(exc_type, exc, tb)
             if exc is None:
-                await self._settle_clean(job)
+                try:
+                    await self._settle_clean(job)
+                except Exception as e:
+                    self._hooks.emit("error", self.key, self.scope, request=self._request,
+                                     token=str(job._token), attempt=job.attempt, error=e)
+                    raise
             else:
                 await self._settle_error(job, exc)
         finally:
@@ -875,20 +912,27 @@ class AsyncIdempotent:
 def idempotent(db: SyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
                wait: Duration = ..., retryable: Optional[Retryable] = ...,
-               session_bound: bool = ...) -> Idempotent: ...
+               session_bound: bool = ..., on_claim: Optional[Hook] = ...,
+               on_replay: Optional[Hook] = ..., on_conflict: Optional[Hook] = ...,
+               on_mismatch: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> Idempotent: ...
 
 
 @overload
 def idempotent(db: AsyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
                wait: Duration = ..., retryable: Optional[Retryable] = ...,
-               session_bound: bool = ...) -> AsyncIdempotent: ...
+               session_bound: bool = ..., on_claim: Optional[Hook] = ...,
+               on_replay: Optional[Hook] = ..., on_conflict: Optional[Hook] = ...,
+               on_mismatch: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> AsyncIdempotent: ...
 
 
 def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, scope: str = "",
                lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                wait: Duration = 0, retryable: Optional[Retryable] = None,
-               session_bound: bool = False) -> Union[Idempotent, AsyncIdempotent]:
+               session_bound: bool = False, on_claim: Optional[Hook] = None,
+               on_replay: Optional[Hook] = None, on_conflict: Optional[Hook] = None,
+               on_mismatch: Optional[Hook] = None,
+               on_error: Optional[Hook] = None) -> Union[Idempotent, AsyncIdempotent]:
     """Run a block at most once per ``(scope, key)``: ``with`` for a sync
     connection or pool, ``async with`` for an async one.
 
@@ -902,10 +946,17 @@ def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, sco
     ``session_bound``: tie the claim to the server session that makes it (a
     pool connection held for the whole attempt, with a pool), so that the key
     is free at once if that session ends; meaningless behind a transaction
-    pooler such as PgBouncer in transaction mode.
+    pooler such as PgBouncer in transaction mode. ``on_claim``, ``on_replay``,
+    ``on_conflict``, ``on_mismatch``, ``on_error``: hooks called with a
+    ``HookEvent`` for each outcome (``on_error``: the store's failures and a
+    lost key, not the block's own exceptions); one that raises is logged and
+    changes nothing.
     """
+    hooks = Hooks(log, on_claim=on_claim, on_replay=on_replay, on_conflict=on_conflict,
+                  on_mismatch=on_mismatch, on_error=on_error)
     kw: dict[str, Any] = dict(request=request, scope=scope, lease=lease, retention=retention,
-                              wait=wait, retryable=retryable, session_bound=session_bound)
+                              wait=wait, retryable=retryable, session_bound=session_bound,
+                              hooks=hooks)
     if isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
         return AsyncIdempotent(db, key, **kw)
     if isinstance(db, (psycopg.Connection, ConnectionPool)):
@@ -921,7 +972,10 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                    scope: Union[None, str, Callable[..., str]] = None,
                    lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                    wait: Duration = 0, retryable: Optional[Retryable] = None,
-                   session_bound: bool = False) -> Callable[[F], F]:
+                   session_bound: bool = False, on_claim: Optional[Hook] = None,
+                   on_replay: Optional[Hook] = None, on_conflict: Optional[Hook] = None,
+                   on_mismatch: Optional[Hook] = None,
+                   on_error: Optional[Hook] = None) -> Callable[[F], F]:
     """Decorator form: ``key``, ``request`` and ``scope`` are computed from the
     call's arguments. The function runs at most once per key; a replay returns
     the stored value without calling it. Works on plain and ``async`` functions
@@ -931,7 +985,10 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
 
     ``scope`` defaults to the function's qualified name
     (``f"{fn.__module__}.{fn.__qualname__}"``), so that two jobs fed the same
-    ids never share a key; ``scope=""`` is the one scope of versions before 0.3."""
+    ids never share a key; ``scope=""`` is the one scope of versions before 0.3.
+    The hooks are ``idempotent()``'s."""
+    hooks = Hooks(log, on_claim=on_claim, on_replay=on_replay, on_conflict=on_conflict,
+                  on_mismatch=on_mismatch, on_error=on_error)
 
     def decorate(fn: F) -> F:
         default_scope = f"{fn.__module__}.{fn.__qualname__}"
@@ -941,7 +998,7 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                         scope=(default_scope if scope is None
                                else scope(*args, **kwargs) if callable(scope) else scope),
                         lease=lease, retention=retention, wait=wait, retryable=retryable,
-                        session_bound=session_bound)
+                        session_bound=session_bound, hooks=hooks)
 
         if inspect.iscoroutinefunction(fn):
             if not isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
