@@ -39,8 +39,11 @@ must find nothing, and the verdict is printed:
                       midpoint sample (the load's backends: sum and max of
                       VmRSS; the worker: the launcher's VmRSS)
   sizes steady        for the heap, its TOAST table and each index: the
-                      largest size in the last third is at most 1.10 x the
-                      largest size seen up to the midpoint, plus 16 blocks
+                      median size in the last third is at most 1.10 x the
+                      median from the end of the first third to the
+                      midpoint (medians: a vacuum that starts late makes
+                      one sample spike, a leak moves them all), plus 16
+                      blocks
                       (so a relation of a hundred pages may still split a
                       few), times the growth of the rows: when the machine
                       is busier in the first half, fewer keys are live
@@ -48,7 +51,7 @@ must find nothing, and the verdict is printed:
                       leaking a byte.  The rows are counted at each sample;
                       a leak grows the sizes, not the rows.  The retention
                       is a twelfth of the run (at most 2 minutes), so the
-                      first half spans at least six retention periods, what
+                      first third spans four retention periods, about what
                       a heap of churning keys takes to reach the size it
                       keeps; autovacuum runs at 5% dead rows, unthrottled,
                       about 20 times per retention period
@@ -69,6 +72,7 @@ import contextlib
 import csv
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -90,7 +94,7 @@ SCOPE = "soak"
 EPS = 0.002
 # Unexpected errors whose message is printed at the end.
 EXAMPLES = 20
-# Sizes may grow by this factor plus this many bytes after the first half.
+# Sizes may grow by this factor plus this many bytes from the middle of the run to its last third.
 # The bytes matter only to a short run's relations of a hundred pages or so,
 # where a B-tree on random keys is still splitting a page now and then.
 SIZE_FACTOR = 1.10
@@ -152,7 +156,7 @@ def settings(minutes):
         "sweep_interval": min(5, max(1, retention // 4)),
         # Autovacuum looks at the table many times per retention period, so
         # that dead rows stay a small share of the live ones and the sizes
-        # settle within the first half of a short run too.
+        # settle within the first third of a short run too.
         "naptime": int(min(60, max(1, retention / 20))),
     }
 
@@ -1029,23 +1033,24 @@ def flat(samples, column, label, run_s):
 
 
 def steady(samples, column, label, run_s):
-    """Sizes: the largest in the last third against the largest up to the
-    midpoint (a sample is taken at most a second after its time), scaled by
-    how much the largest row count grew between the two."""
+    """Sizes: the median in the last third against the median from the end of
+    the first third to the midpoint (a sample is taken at most a second after
+    its time), scaled by how much the largest row count grew between the two."""
     mid = midpoint(samples, run_s)
-    early = samples[:mid + 1]
+    early = [s for s in samples[:mid + 1] if s["t_s"] >= run_s / 3]
     late = [s for s in samples if s["t_s"] >= run_s * 2 / 3]
     if not early or not late:
         return False, f"{label}: too few samples"
-    early_max = max(s[column] for s in early)
-    late_max = max(s[column] for s in late)
+    early_median = statistics.median(s[column] for s in early)
+    late_median = statistics.median(s[column] for s in late)
     rows_early = max(s["rows"] for s in early)
     rows_late = max(s["rows"] for s in late)
     growth = max(1.0, rows_late / rows_early) if rows_early else 1.0
-    limit = early_max * growth * SIZE_FACTOR + SIZE_SLACK
-    return late_max <= limit, (
-        f"{label}: largest {early_max / 1048576:.2f} MB up to {samples[mid]['t_s']:.0f}s,"
-        f" largest {late_max / 1048576:.2f} MB from {run_s * 2 / 3:.0f}s"
+    limit = early_median * growth * SIZE_FACTOR + SIZE_SLACK
+    return late_median <= limit, (
+        f"{label}: median {early_median / 1048576:.2f} MB from {run_s / 3:.0f}s to"
+        f" {samples[mid]['t_s']:.0f}s, median {late_median / 1048576:.2f} MB from"
+        f" {run_s * 2 / 3:.0f}s (largest {max(s[column] for s in late) / 1048576:.2f})"
         f" (limit {limit / 1048576:.2f} MB = {growth:.2f} rows growth ({rows_early} -> {rows_late})"
         f" x {SIZE_FACTOR:.2f} + {SIZE_SLACK // 1024} kB)")
 
