@@ -106,6 +106,22 @@ def _claim_params(key: str, request: Any, scope: str, lease: Duration,
             "wait": to_timedelta(wait)}
 
 
+def _claim_statement(owner: "Union[Idempotent, AsyncIdempotent]") -> Tuple[str, dict[str, Any]]:
+    """The claim an ``idempotent()`` block makes: its SQL and parameters."""
+    return (SESSION_BOUND_CLAIM_SQL if owner._session_bound else CLAIM_SQL,
+            _claim_params(owner.key, owner._request, owner.scope, owner._lease,
+                          owner._retention, owner._wait))
+
+
+def _report_error(owner: "Union[Idempotent, AsyncIdempotent]", error: BaseException,
+                  job: "Optional[_JobBase]" = None) -> None:
+    """Tell on_error that the store failed (the claim, or the settling of
+    ``job``'s attempt)."""
+    fields = {} if job is None else {"token": str(job._token), "attempt": job.attempt}
+    owner._hooks.emit("error", owner.key, owner.scope, request=owner._request, error=error,
+                      **fields)
+
+
 class _JobBase:
     """What the block sees: the claim's outcome and the result to store."""
 
@@ -488,13 +504,10 @@ class Idempotent:
         tx_mode = self._runner.in_transaction()
         try:
             self._runner.info(*_needs(self._session_bound))
-            row = ClaimRow(*self._runner.claim(
-                SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
-                _claim_params(self.key, self._request, self.scope, self._lease,
-                              self._retention, self._wait),
-                hold=self._session_bound))
+            row = ClaimRow(*self._runner.claim(*_claim_statement(self),
+                                                   hold=self._session_bound))
         except Exception as e:
-            self._hooks.emit("error", self.key, self.scope, request=self._request, error=e)
+            _report_error(self, e)
             raise
         if row.outcome != "claimed":
             self._runner.release_held()
@@ -534,8 +547,7 @@ class Idempotent:
                 try:
                     self._settle_clean(job)
                 except Exception as e:
-                    self._hooks.emit("error", self.key, self.scope, request=self._request,
-                                     token=str(job._token), attempt=job.attempt, error=e)
+                    _report_error(self, e, job)
                     raise
             else:
                 self._settle_error(job, exc)
@@ -778,13 +790,10 @@ class AsyncIdempotent:
         tx_mode = self._runner.in_transaction()
         try:
             await self._runner.info(*_needs(self._session_bound))
-            row = ClaimRow(*await self._runner.claim(
-                SESSION_BOUND_CLAIM_SQL if self._session_bound else CLAIM_SQL,
-                _claim_params(self.key, self._request, self.scope, self._lease,
-                              self._retention, self._wait),
-                hold=self._session_bound))
+            row = ClaimRow(*await self._runner.claim(*_claim_statement(self),
+                                                   hold=self._session_bound))
         except Exception as e:
-            self._hooks.emit("error", self.key, self.scope, request=self._request, error=e)
+            _report_error(self, e)
             raise
         if row.outcome != "claimed":
             await self._runner.release_held()
@@ -825,8 +834,7 @@ class AsyncIdempotent:
                 try:
                     await self._settle_clean(job)
                 except Exception as e:
-                    self._hooks.emit("error", self.key, self.scope, request=self._request,
-                                     token=str(job._token), attempt=job.attempt, error=e)
+                    _report_error(self, e, job)
                     raise
             else:
                 await self._settle_error(job, exc)
