@@ -4,7 +4,8 @@ MODULE_big  = idempotency
 OBJS        = src/module.o src/guc.o src/fingerprint.o src/catalog.o \
               src/row.o src/write.o src/token.o src/direct.o src/keylock.o src/wait.o \
               src/stats.o src/sweep.o src/worker.o src/tenant.o src/session.o \
-              src/citus.o src/args.o src/claim.o src/holder.o src/lookup.o
+              src/citus.o src/args.o src/claim.o src/holder.o src/lookup.o \
+              src/forget.o
 DATA        = $(wildcard idempotency--*.sql)
 PGFILEDESC  = "idempotency - idempotency keys for PostgreSQL"
 

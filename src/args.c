@@ -139,21 +139,23 @@ interval_span(Interval *iv, int64 *us)
 			 pg_add_s64_overflow(*us, months_us, us));
 }
 
-/* Raise 22023 unless the interval "iv" (named "name") is positive. */
-void
-idem_check_positive(Interval *iv, const char *name)
+/*
+ * Raise 22023 unless the interval "iv" (named "name") is positive, or with
+ * "allow_zero" zero or positive; no longer than 10000 years either way.
+ */
+static void
+check_interval(Interval *iv, const char *name, bool allow_zero)
 {
 	TimestampTz now;
 	int64		us = 0;
 
-	if (iv == NULL)
-		return;
 	if (!interval_span(iv, &us))
 		us = (iv->time < 0 || iv->day < 0 || iv->month < 0) ?
 			PG_INT64_MIN : PG_INT64_MAX;
-	if (us <= 0)
+	if (us < 0 || (us == 0 && !allow_zero))
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 allow_zero ? errmsg("%s must not be negative", name) :
 				 errmsg("%s must be positive", name)));
 	if (us > INTERVAL_MAX_US)
 		ereport(ERROR,
@@ -161,10 +163,49 @@ idem_check_positive(Interval *iv, const char *name)
 				 errmsg("%s is too large", name),
 				 errdetail("The limit is 10000 years.")));
 	now = GetCurrentTimestamp();
-	if (idem_add_interval(now, iv) <= now)
+	if (us > 0 && idem_add_interval(now, iv) <= now)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 allow_zero ? errmsg("%s must not be negative", name) :
 				 errmsg("%s must be positive", name)));
+}
+
+/* Raise 22023 unless the interval "iv" (named "name") is positive. */
+void
+idem_check_positive(Interval *iv, const char *name)
+{
+	if (iv != NULL)
+		check_interval(iv, name, false);
+}
+
+/*
+ * The remember argument at "argno" (1.7; an older installation declares
+ * none, which reads as NULL).  Returns false when it is NULL: the caller
+ * takes its default.  Otherwise *remember is the time to remember the key,
+ * or NULL for a zero interval (not remembered).
+ */
+bool
+idem_arg_remember(FunctionCallInfo fcinfo, int argno, Interval **remember)
+{
+	Interval   *iv;
+	int64		us = 0;
+
+	*remember = NULL;
+	if (PG_NARGS() <= argno || PG_ARGISNULL(argno))
+		return false;
+	iv = PG_GETARG_INTERVAL_P(argno);
+	check_interval(iv, "remember", true);
+	if (interval_span(iv, &us) && us > 0)
+		*remember = iv;
+	return true;
+}
+
+/* idempotency.remember as an interval, or NULL when it is 0 (off). */
+Interval *
+idem_remember_setting(void)
+{
+	return idem_remember_s > 0 ?
+		idem_interval_from_ms((int64) idem_remember_s * 1000) : NULL;
 }
 
 /*

@@ -32,6 +32,9 @@ extern text *idem_arg_name(FunctionCallInfo fcinfo, int argno,
 						   const char *name, bool allow_empty);
 extern Interval *idem_arg_interval(FunctionCallInfo fcinfo, int argno);
 extern void idem_check_positive(Interval *iv, const char *name);
+extern bool idem_arg_remember(FunctionCallInfo fcinfo, int argno,
+							  Interval **remember);
+extern Interval *idem_remember_setting(void);
 extern int64 idem_arg_wait(FunctionCallInfo fcinfo, int argno);
 extern IdemStatus idem_arg_status(FunctionCallInfo fcinfo, int argno);
 extern void idem_check_body_size(Datum body, const char *name);

@@ -78,6 +78,7 @@ const KeysColumnDef idem_keys_columns[KEYS_NCOLS] = {
 	[KEYS_COL_PHASE - 1] = {"phase", TEXTOID},
 	[KEYS_COL_PHASE_DATA - 1] = {"phase_data", JSONBOID},
 	[KEYS_COL_OWNER_SESSION - 1] = {"owner_session", INT8OID},
+	[KEYS_COL_REMEMBER - 1] = {"remember", INTERVALOID},
 };
 
 /* The cache, valid until an invalidation of one of its relations. */
@@ -197,8 +198,8 @@ catalog_refuse_not_installed(void)
 
 /*
  * The columns the store reads and writes by number, with their types: those
- * of 1.4, or the first KEYS_NCOLS_1_0 of them (an installation not updated
- * yet).  Returns how many the table has.
+ * of 1.7, or the first KEYS_NCOLS_1_4 or KEYS_NCOLS_1_0 of them (an
+ * installation not updated yet).  Returns how many the table has.
  */
 static int
 catalog_check_columns(Relation heap)
@@ -207,7 +208,8 @@ catalog_check_columns(Relation heap)
 	char	   *what = psprintf("table \"idempotency.%s\"",
 								RelationGetRelationName(heap));
 
-	if (desc->natts != KEYS_NCOLS && desc->natts != KEYS_NCOLS_1_0)
+	if (desc->natts != KEYS_NCOLS && desc->natts != KEYS_NCOLS_1_4 &&
+		desc->natts != KEYS_NCOLS_1_0)
 		idem_catalog_refuse_replaced(what);
 	for (int i = 0; i < desc->natts; i++)
 	{

@@ -3,7 +3,8 @@
  * claim.c
  *	  idem_claim and idem_claim_many: the claim decision and its wait.
  *
- * Owns the outcome rules (claimed, replay, in_progress, mismatch), the
+ * Owns the outcome rules (claimed, replay, in_progress, mismatch, and
+ * expired for a remembered key), the
  * takeover of a key whose lease ended, the tokens this transaction's
  * claims handed out (so that a transaction never takes over its own
  * claim), the wait for an attempt in flight, the claim's result row and
@@ -62,7 +63,8 @@ typedef enum ClaimOutcome
 	OUTCOME_CLAIMED,
 	OUTCOME_REPLAY,
 	OUTCOME_IN_PROGRESS,
-	OUTCOME_MISMATCH
+	OUTCOME_MISMATCH,
+	OUTCOME_EXPIRED
 } ClaimOutcome;
 
 /* The SQL name of an outcome. */
@@ -79,6 +81,8 @@ outcome_name(ClaimOutcome outcome)
 			return "in_progress";
 		case OUTCOME_MISMATCH:
 			return "mismatch";
+		case OUTCOME_EXPIRED:
+			return "expired";
 	}
 	pg_unreachable();
 }
@@ -94,6 +98,7 @@ typedef struct ClaimArgs
 	Interval   *lease;			/* NULL: idempotency.lease */
 	Interval   *retention;		/* NULL: idempotency.retention */
 	bool		session_bound;	/* tie the claim to this session */
+	Interval   *remember;		/* NULL: not remembered */
 } ClaimArgs;
 
 /* What a claim answers. */
@@ -246,11 +251,21 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 	if (row->busy)
 		return claim_answer_busy(res);
 	memset(res, 0, sizeof(ClaimResult));
-	if (!row->found || row->expires_at <= now)
+	if (!row->found ||
+		(row->expires_at <= now && !idem_row_remembered(row, now)))
 		return claim_write_action(row, ACTION_FRESH, res);
 	if (!fingerprint_matches(args, row))
 	{
 		res->outcome = OUTCOME_MISMATCH;
+		return ACTION_ANSWER;
+	}
+	/* Remembered: it ran, and its answer is gone; it never runs again. */
+	if (row->expires_at <= now)
+	{
+		res->outcome = OUTCOME_EXPIRED;
+		res->status = row->status;
+		res->has_response_code = row->has_response_code;
+		res->response_code = row->response_code;
 		return ACTION_ANSWER;
 	}
 	if (row->status != IDEM_PENDING)
@@ -345,14 +360,14 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 			idem_write_insert_claim(args->scope, args->key, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									now, lease_until, expires_at, retention,
-									owner_session);
+									owner_session, args->remember);
 		else
 			idem_write_update_claim(&row, token,
 									action == ACTION_FRESH ? 1 : row.attempt + 1,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention,
-									owner_session);
+									owner_session, args->remember);
 		idem_key_wrote(args->hash);
 
 		xact_token_issued(token);
@@ -468,6 +483,8 @@ claim_count(const ClaimResult *res)
 		case OUTCOME_MISMATCH:
 			idem_stats_count(IDEM_STAT_MISMATCHES, 1);
 			break;
+		case OUTCOME_EXPIRED:
+			break;
 	}
 }
 
@@ -534,6 +551,15 @@ claim_result_values(const ClaimResult *res, Datum *values, bool *nulls)
 			values[6] = Int32GetDatum(res->retry_after);
 			nulls[6] = false;
 			break;
+		case OUTCOME_EXPIRED:
+			values[3] = CStringGetTextDatum(idem_status_names[res->status]);
+			nulls[3] = false;
+			if (res->has_response_code)
+			{
+				values[4] = Int32GetDatum(res->response_code);
+				nulls[4] = false;
+			}
+			break;
 		case OUTCOME_MISMATCH:
 			break;
 	}
@@ -556,12 +582,14 @@ claim_check_session_bound(void)
 }
 
 /*
- * idem_claim(key, request, scope, lease, retention, wait, session_bound)
+ * idem_claim(key, request, scope, lease, retention, wait, session_bound,
+ *			  remember)
  *	  RETURNS SETOF idempotency.claim_result (outcome, token, attempt,
  *	  status, response_code, response_body, retry_after, phase,
  *	  phase_data): always one row.  Installations of 1.0 to 1.3 declare
  *	  the first six arguments and the first seven columns (1.0 as RETURNS
- *	  TABLE); the row is built for the row type the executor expects.
+ *	  TABLE), 1.4 to 1.6 the first seven arguments; the row is built for
+ *	  the row type the executor expects.
  */
 Datum
 idem_claim(PG_FUNCTION_ARGS)
@@ -582,6 +610,8 @@ idem_claim(PG_FUNCTION_ARGS)
 		idem_arg_not_null(fcinfo, 6, "session_bound");
 		args.session_bound = PG_GETARG_BOOL(6);
 	}
+	if (!idem_arg_remember(fcinfo, 7, &args.remember))
+		args.remember = idem_remember_setting();
 	idem_check_writable("idem_claim()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);
@@ -620,6 +650,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	claim_common_args(fcinfo, &args);
 	idem_arg_not_null(fcinfo, 5, "session_bound");
 	args.session_bound = PG_GETARG_BOOL(5);
+	args.remember = idem_remember_setting();
 	idem_check_writable("idem_claim_many()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);

@@ -22,6 +22,7 @@
 
 int			idem_lease_ms = 30 * 1000;
 int			idem_retention_s = 24 * 60 * 60;
+int			idem_remember_s = 0;
 int			idem_sweep_batch = 1000;
 int			idem_max_response_size = 1024 * 1024;
 int			idem_sweep_interval_ms = 60 * 1000;
@@ -52,6 +53,15 @@ idem_guc_init(void)
 							NULL,
 							&idem_retention_s,
 							24 * 60 * 60, 1, INT_MAX,
+							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+
+	DefineCustomIntVariable("idempotency.remember",
+							"Default time a finished key is remembered after its retention.",
+							"A claim of a remembered key answers expired instead of "
+							"running again; 0 turns remembering off.",
+							&idem_remember_s,
+							0, 0, INT_MAX,
 							PGC_USERSET, GUC_UNIT_S,
 							NULL, NULL, NULL);
 

@@ -309,12 +309,15 @@ token_call_end(const TokenCall *call)
 
 /*
  * Finish the key of "call" (arguments checked): store the result unless
- * the key was finished with this same token already.  Returns the key's
- * expiry; *wrote says whether it stored the result (the caller counts it).
+ * the key was finished with this same token already.  Without a remember
+ * argument ("remember_given" false) the key keeps the claim's.  Returns the
+ * key's expiry; *wrote says whether it stored the result (the caller counts
+ * it).
  */
 static TimestampTz
 finish_key(TokenCall *call, IdemStatus status, bool has_code, int32 code,
-		   Datum body, Interval *retention, bool *wrote)
+		   Datum body, Interval *retention, bool remember_given,
+		   Interval *remember, bool *wrote)
 {
 	TimestampTz expires_at;
 
@@ -326,8 +329,10 @@ finish_key(TokenCall *call, IdemStatus status, bool has_code, int32 code,
 	}
 	expires_at = idem_add_interval(call->now,
 								   retention ? retention : &call->row.retention);
+	if (!remember_given && call->row.has_remember)
+		remember = &call->row.remember;
 	idem_write_finish(&call->row, status, has_code, code, body, call->now,
-					  expires_at);
+					  expires_at, remember);
 	token_call_end(call);
 	*wrote = true;
 	return expires_at;
@@ -335,7 +340,7 @@ finish_key(TokenCall *call, IdemStatus status, bool has_code, int32 code,
 
 /*
  * idem_finish(key, token, response_code, response_body, scope, status,
- *			   retention) RETURNS timestamptz
+ *			   retention, remember) RETURNS timestamptz
  */
 Datum
 idem_finish(PG_FUNCTION_ARGS)
@@ -344,6 +349,8 @@ idem_finish(PG_FUNCTION_ARGS)
 	Datum		body;
 	IdemStatus	status;
 	Interval   *retention;
+	Interval   *remember;
+	bool		remember_given;
 	TimestampTz expires_at;
 	bool		wrote;
 
@@ -352,10 +359,12 @@ idem_finish(PG_FUNCTION_ARGS)
 	status = idem_arg_status(fcinfo, 5);
 	retention = idem_arg_interval(fcinfo, 6);
 	idem_check_positive(retention, "retention");
+	remember_given = idem_arg_remember(fcinfo, 7, &remember);
 
 	expires_at = finish_key(&call, status, !PG_ARGISNULL(2),
 							PG_ARGISNULL(2) ? 0 : PG_GETARG_INT32(2),
-							body, retention, &wrote);
+							body, retention, remember_given, remember,
+							&wrote);
 	if (wrote)
 		idem_stats_count(IDEM_STAT_FINISHES, 1);
 	PG_RETURN_TIMESTAMPTZ(expires_at);
@@ -385,7 +394,7 @@ finish_many_rethrow(ErrorData *edata, int ord, text *scope, text *key)
 
 /*
  * idem_finish_many(keys, tokens, response_codes, response_bodies, scope,
- *					status, retention)
+ *					status, retention, remember)
  *	  RETURNS TABLE (ord, key, expires_at)
  *
  * All or nothing: each key is finished as idem_finish would, in array
@@ -405,6 +414,8 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	text	   *scope;
 	IdemStatus	status;
 	Interval   *retention;
+	Interval   *remember;
+	bool		remember_given;
 	FinishManyElement elem;
 
 	/* the element being finished, read after an error (NULL between two) */
@@ -440,6 +451,7 @@ idem_finish_many(PG_FUNCTION_ARGS)
 	status = idem_arg_status(fcinfo, 5);
 	retention = idem_arg_interval(fcinfo, 6);
 	idem_check_positive(retention, "retention");
+	remember_given = idem_arg_remember(fcinfo, 7, &remember);
 	idem_check_writable("idem_finish_many()");
 
 	idem_result_init(fcinfo);
@@ -477,7 +489,8 @@ idem_finish_many(PG_FUNCTION_ARGS)
 													   has_code ? DatumGetInt32(codes.elems[i]) : 0,
 													   (bodies.given && !bodies.nulls[i]) ?
 													   bodies.elems[i] : (Datum) 0,
-													   retention, &wrote));
+													   retention, remember_given,
+													   remember, &wrote));
 			finished += wrote;
 			MemoryContextSwitchTo(outer);
 			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,

@@ -11,7 +11,8 @@
  *	  guc.c          the idempotency.* settings
  *	  pause.c        pause points for isolation tests (test builds only)
  *	  fingerprint.c  SHA-256 request fingerprints and lock hashes
- *	  row.c          reading keys: the index probe, fetches, the sweep's scan
+ *	  row.c          reading keys: the index probe, fetches, the sweep's scan,
+ *	                 whether a key is remembered
  *	  catalog.c      the key store's relations, found and checked
  *	  write.c        every change to a key, by one table of write rules
  *	  token.c        the fencing token sequence: blocks of tokens reserved
@@ -32,8 +33,8 @@
  * Declared elsewhere: args.h (args.c, reading the SQL arguments), store.h
  * (direct.c, the table-AM writer, and what catalog.c and write.c share).
  * The SQL functions live in claim.c (idem_claim, idem_claim_many),
- * holder.c (the calls that present a token), lookup.c (idem_lookup) and
- * sweep.c (idem_sweep); they declare nothing.
+ * holder.c (the calls that present a token), lookup.c (idem_lookup),
+ * forget.c (idem_forget) and sweep.c (idem_sweep); they declare nothing.
  *
  *-------------------------------------------------------------------------
  */
@@ -93,6 +94,7 @@ extern bool idem_status_parse(const char *name, int len, IdemStatus *status);
 /* ---- guc.c ---- */
 extern int	idem_lease_ms;
 extern int	idem_retention_s;
+extern int	idem_remember_s;
 extern int	idem_sweep_batch;
 extern int	idem_max_response_size;
 extern int	idem_sweep_interval_ms;
@@ -181,6 +183,9 @@ typedef struct IdemRow
 	Datum		phase_data;		/* copy as stored (with the body), or 0 */
 	bool		has_owner_session;
 	int64		owner_session;
+	/* 1.7 column; NULL (false) on a table of an older version */
+	bool		has_remember;
+	Interval	remember;
 } IdemRow;
 
 /* How a probe reads: the newest state (claims, writes) or a snapshot. */
@@ -194,6 +199,8 @@ extern char *idem_key_display(text *scope, text *key);
 extern void idem_row_probe(text *scope, text *key, IdemProbeMode mode,
 						   bool want_body, IdemRow *row);
 extern void idem_row_check_snapshot(const IdemRow *row);
+extern bool idem_row_remembered_until(const IdemRow *row, TimestampTz *until);
+extern bool idem_row_remembered(const IdemRow *row, TimestampTz now);
 
 /* An open table for a run of fetches by tid (the sweeper's). */
 typedef struct IdemFetch
@@ -222,9 +229,13 @@ typedef enum IdemKeyCountSource
 	IDEM_COUNT_UNKNOWN			/* too large to scan, never analyzed */
 } IdemKeyCountSource;
 
+/* The key counts: one per status, then the remembered keys. */
+#define IDEM_COUNT_REMEMBERED	IDEM_NSTATUS
+#define IDEM_NCOUNTS			(IDEM_NSTATUS + 1)
+
 extern IdemKeyCountSource idem_row_count_keys(TimestampTz now,
 											  int exact_limit,
-											  int64 counts[IDEM_NSTATUS]);
+											  int64 counts[IDEM_NCOUNTS]);
 
 /* ---- catalog.c ---- */
 extern Oid	idem_catalog_lock_relation(const char *name);
@@ -243,19 +254,22 @@ extern void idem_write_insert_claim(text *scope, text *key, int64 token,
 									TimestampTz now, TimestampTz lease_until,
 									TimestampTz expires_at,
 									Interval *retention,
-									int64 owner_session);
+									int64 owner_session,
+									Interval *remember);
 extern void idem_write_update_claim(const IdemRow *old, int64 token,
 									int32 attempt, const uint8 *fingerprint,
 									TimestampTz created_at,
 									TimestampTz lease_until,
 									TimestampTz expires_at,
 									Interval *retention,
-									int64 owner_session);
+									int64 owner_session,
+									Interval *remember);
 extern void idem_write_checkpoint(const IdemRow *old, Datum phase,
 								  Datum data);
 extern void idem_write_finish(const IdemRow *old, IdemStatus status,
 							  bool has_code, int32 code, Datum body,
-							  TimestampTz now, TimestampTz expires_at);
+							  TimestampTz now, TimestampTz expires_at,
+							  Interval *remember);
 extern void idem_write_extend(const IdemRow *old, TimestampTz lease_until,
 							  TimestampTz expires_at);
 extern void idem_write_release(const IdemRow *old);
@@ -266,6 +280,8 @@ typedef enum IdemSweepWork
 	IDEM_SWEEP_DELETE,			/* retention passed: the key goes */
 	IDEM_SWEEP_RESET,			/* lease ended: the token dies */
 	IDEM_SWEEP_RESCHEDULE,		/* found early: move sweep_at forward */
+	IDEM_SWEEP_COMPACT,			/* retention passed, remembered: keep the
+								 * outcome, drop the response */
 	IDEM_SWEEP_NKINDS
 } IdemSweepWork;
 

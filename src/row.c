@@ -40,6 +40,7 @@
 #include "utils/timestamp.h"
 
 #include "compat.h"
+#include "args.h"
 #include "store.h"
 
 const char *const idem_status_names[IDEM_NSTATUS] = {
@@ -170,6 +171,41 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 		row->owner_session = row->has_owner_session ?
 			DatumGetInt64(v[KEYS_COL_OWNER_SESSION - 1]) : 0;
 	}
+	if (slot->tts_tupleDescriptor->natts >= KEYS_COL_REMEMBER)
+	{
+		row->has_remember = !n[KEYS_COL_REMEMBER - 1];
+		if (row->has_remember)
+			memcpy(&row->remember, DatumGetIntervalP(v[KEYS_COL_REMEMBER - 1]),
+				   sizeof(Interval));
+	}
+}
+
+/*
+ * When the compact record of a finished key goes: its retention's end plus
+ * its remember.  False for a key that is not remembered (pending, or
+ * finished without remember).
+ */
+bool
+idem_row_remembered_until(const IdemRow *row, TimestampTz *until)
+{
+	if (!row->found || row->status == IDEM_PENDING || !row->has_remember)
+		return false;
+	*until = idem_add_interval(row->expires_at, (Interval *) &row->remember);
+	return true;
+}
+
+/*
+ * Is the key remembered at "now": finished, past its retention, and not
+ * past its remember?  Such a key is never run again; a claim answers
+ * expired (or mismatch), whether or not a sweep has compacted it yet.
+ */
+bool
+idem_row_remembered(const IdemRow *row, TimestampTz now)
+{
+	TimestampTz until;
+
+	return row->expires_at <= now &&
+		idem_row_remembered_until(row, &until) && until > now;
 }
 
 /*
@@ -587,17 +623,53 @@ idem_row_session_candidates(int64 after, int limit, ItemPointerData **tids,
 }
 
 /*
- * Count the keys of each status.  While the table has at most exact_limit
+ * The share of the rows of "relid" whose timestamptz column "col" is at or
+ * before "at", by the histogram ANALYZE recorded for it (0 without one):
+ * the histogram's bounds split the non-null rows into equal parts.
+ */
+static double
+row_share_before(Oid relid, AttrNumber col, TimestampTz at)
+{
+	HeapTuple	statstup;
+	AttStatsSlot sslot;
+	double		share = 0;
+
+	statstup = SearchSysCache3(STATRELATTINH, ObjectIdGetDatum(relid),
+							   Int16GetDatum(col), BoolGetDatum(false));
+	if (!HeapTupleIsValid(statstup))
+		return 0;
+	if (get_attstatsslot(&sslot, statstup, STATISTIC_KIND_HISTOGRAM,
+						 InvalidOid, ATTSTATSSLOT_VALUES))
+	{
+		int			below = 0;
+
+		while (below < sslot.nvalues &&
+			   DatumGetTimestampTz(sslot.values[below]) <= at)
+			below++;
+		if (sslot.nvalues > 1)
+			share = (double) Max(below - 1, 0) / (sslot.nvalues - 1);
+		if (below == sslot.nvalues)
+			share = 1;
+		free_attstatsslot(&sslot);
+	}
+	ReleaseSysCache(statstup);
+	return share;
+}
+
+/*
+ * Count the keys of each status, and the remembered keys
+ * (counts[IDEM_COUNT_REMEMBERED]).  While the table has at most exact_limit
  * blocks (-1: whatever its size) the count is exact: a scan through the
- * active snapshot that leaves out keys whose retention ended before now.
- * Above that a scan would make every poll of the stats view read the whole
- * table, so the counts are the planner's estimate instead: the tuple
- * density pg_class recorded at the last VACUUM or ANALYZE, scaled to the
- * table's current size, times each status's share among the most common
+ * active snapshot in which a key whose retention ended before now counts
+ * only as remembered, if it is.  Above that a scan would make every poll of
+ * the stats view read the whole table, so the counts are the planner's
+ * estimate instead: the tuple density pg_class recorded at the last VACUUM
+ * or ANALYZE, scaled to the table's current size, split by the share of
+ * rows whose expires_at ANALYZE's histogram puts before now (past their
+ * retention: counted as remembered, which on a swept table they are; 0
+ * before 1.7), and the rest by each status's share among the most common
  * values ANALYZE recorded for the status column (a status its sample held
- * fewer than twice is not among them, and estimates as 0).  Estimates
- * include keys whose retention ended but that the sweep has not deleted
- * yet.  A table
+ * fewer than twice is not among them, and estimates as 0).  A table
  * too large to scan that was never analyzed (or was emptied by TRUNCATE
  * since its last VACUUM or ANALYZE, which resets pg_class's figures) has no
  * estimate.  A row with a status the functions never write, or with NULL
@@ -605,14 +677,14 @@ idem_row_session_candidates(int64 after, int limit, ItemPointerData **tids,
  * keep answering.
  */
 IdemKeyCountSource
-idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS])
+idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NCOUNTS])
 {
 	const IdemCatalog *catalog = idem_catalog();
 	Relation	heap;
 	BlockNumber nblocks;
 	IdemKeyCountSource source;
 
-	memset(counts, 0, sizeof(int64) * IDEM_NSTATUS);
+	memset(counts, 0, sizeof(int64) * IDEM_NCOUNTS);
 	heap = table_open(catalog->keys, AccessShareLock);
 	nblocks = RelationGetNumberOfBlocks(heap);
 
@@ -626,6 +698,7 @@ idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS]
 		{
 			text	   *status;
 			IdemStatus	st;
+			TimestampTz expires_at;
 
 			CHECK_FOR_INTERRUPTS();
 			slot_getsomeattrs(slot, KEYS_COL_EXPIRES_AT);
@@ -633,11 +706,20 @@ idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS]
 			if (slot->tts_isnull[KEYS_COL_STATUS - 1] ||
 				slot->tts_isnull[KEYS_COL_EXPIRES_AT - 1])
 				continue;
-			if (DatumGetTimestampTz(slot->tts_values[KEYS_COL_EXPIRES_AT - 1]) <= now)
-				continue;
 			status = DatumGetTextPP(slot->tts_values[KEYS_COL_STATUS - 1]);
-			if (idem_status_parse(VARDATA_ANY(status), VARSIZE_ANY_EXHDR(status), &st))
+			if (!idem_status_parse(VARDATA_ANY(status), VARSIZE_ANY_EXHDR(status), &st))
+				continue;
+			expires_at = DatumGetTimestampTz(slot->tts_values[KEYS_COL_EXPIRES_AT - 1]);
+			if (expires_at > now)
 				counts[st]++;
+			else if (st != IDEM_PENDING && catalog->ncols >= KEYS_COL_REMEMBER)
+			{
+				slot_getsomeattrs(slot, KEYS_COL_REMEMBER);
+				if (!slot->tts_isnull[KEYS_COL_REMEMBER - 1] &&
+					idem_add_interval(expires_at,
+									  DatumGetIntervalP(slot->tts_values[KEYS_COL_REMEMBER - 1])) > now)
+					counts[IDEM_COUNT_REMEMBERED]++;
+			}
 		}
 		table_endscan(scan);
 		ExecDropSingleTupleTableSlot(slot);
@@ -659,6 +741,11 @@ idem_row_count_keys(TimestampTz now, int exact_limit, int64 counts[IDEM_NSTATUS]
 		if (HeapTupleIsValid(statstup) && reltuples >= 0 && relpages > 0)
 		{
 			double		total = reltuples / relpages * nblocks;
+			double		past = catalog->ncols >= KEYS_COL_REMEMBER ?
+				row_share_before(catalog->keys, KEYS_COL_EXPIRES_AT, now) : 0;
+
+			counts[IDEM_COUNT_REMEMBERED] = (int64) rint(total * past);
+			total -= total * past;
 
 			if (get_attstatsslot(&sslot, statstup, STATISTIC_KIND_MCV, InvalidOid,
 								 ATTSTATSSLOT_VALUES | ATTSTATSSLOT_NUMBERS))

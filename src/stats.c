@@ -298,17 +298,19 @@ stats_check_view_privilege(void)
 
 /*
  * idempotency.stats_key_counts(): this database's keys by status (on
- * Citus, those of the shards this node holds), and
- * whether the counts are exact (see idem_row_count_keys; the limit is
- * idempotency.stats_exact_limit).  Without an estimate the counts are NULL.
+ * Citus, those of the shards this node holds), whether the counts are
+ * exact (see idem_row_count_keys; the limit is
+ * idempotency.stats_exact_limit) and, from 1.7, the remembered keys (an
+ * older installation declares the first four columns, and gets those).
+ * Without an estimate the counts are NULL.
  */
 Datum
 idem_stats_key_counts(PG_FUNCTION_ARGS)
 {
 	TupleDesc	tupdesc;
-	Datum		values[IDEM_NSTATUS + 1];
-	bool		nulls[IDEM_NSTATUS + 1] = {0};
-	int64		counts[IDEM_NSTATUS];
+	Datum		values[IDEM_NCOUNTS + 1];
+	bool		nulls[IDEM_NCOUNTS + 1] = {0};
+	int64		counts[IDEM_NCOUNTS];
 	IdemKeyCountSource source;
 
 	if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
@@ -319,14 +321,14 @@ idem_stats_key_counts(PG_FUNCTION_ARGS)
 	memset(counts, 0, sizeof(counts));
 	for (int r = 0, nrel = idem_catalog_local_count(); r < nrel; r++)
 	{
-		int64		rel_counts[IDEM_NSTATUS];
+		int64		rel_counts[IDEM_NCOUNTS];
 		IdemKeyCountSource rel_source;
 
 		if (!idem_catalog_select_local(r))
 			continue;
 		rel_source = idem_row_count_keys(GetCurrentTimestamp(),
 										 idem_stats_exact_limit, rel_counts);
-		for (int i = 0; i < IDEM_NSTATUS; i++)
+		for (int i = 0; i < IDEM_NCOUNTS; i++)
 			counts[i] += rel_counts[i];
 		if (rel_source == IDEM_COUNT_UNKNOWN ||
 			(rel_source == IDEM_COUNT_ESTIMATE && source == IDEM_COUNT_EXACT))
@@ -338,6 +340,8 @@ idem_stats_key_counts(PG_FUNCTION_ARGS)
 		nulls[i] = (source == IDEM_COUNT_UNKNOWN);
 	}
 	values[IDEM_NSTATUS] = BoolGetDatum(source == IDEM_COUNT_EXACT);
+	values[IDEM_NSTATUS + 1] = Int64GetDatum(counts[IDEM_COUNT_REMEMBERED]);
+	nulls[IDEM_NSTATUS + 1] = (source == IDEM_COUNT_UNKNOWN);
 	PG_RETURN_DATUM(HeapTupleGetDatum(heap_form_tuple(BlessTupleDesc(tupdesc),
 													  values, nulls)));
 }

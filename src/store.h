@@ -46,7 +46,9 @@ typedef enum KeysColumn
 	KEYS_COL_PHASE,
 	KEYS_COL_PHASE_DATA,
 	KEYS_COL_OWNER_SESSION,
-	KEYS_NCOLS = KEYS_COL_OWNER_SESSION
+	/* appended in extension version 1.7 */
+	KEYS_COL_REMEMBER,
+	KEYS_NCOLS = KEYS_COL_REMEMBER
 } KeysColumn;
 
 /*
@@ -55,6 +57,8 @@ typedef enum KeysColumn
  * reads and writes only the columns the table has (IdemCatalog.ncols).
  */
 #define KEYS_NCOLS_1_0			KEYS_COL_SWEEP_AT
+/* ... and as versions 1.4 to 1.6 create it. */
+#define KEYS_NCOLS_1_4			KEYS_COL_OWNER_SESSION
 
 /* The bit of column "col" in a set of columns (a write rule's). */
 #define KEYS_COL_BIT(col)				(1u << ((col) - 1))
@@ -82,7 +86,8 @@ typedef struct IdemCatalog
 	Oid			sweep_idx;		/* keys_sweep_at_idx: (sweep_at) */
 	Oid			session_idx;	/* keys_owner_session_idx, or InvalidOid
 								 * before 1.4 */
-	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_0 before 1.4 */
+	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_4 / _1_0 on a
+								 * table not updated yet */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
 	bool		user_code;		/* a write can run code a user attached to the

@@ -5,7 +5,10 @@
  *	  idem_sweep(), the SQL entry point at the end of this file.
  *
  * Owns the sweep rules: a key whose retention has passed is deleted, unless
- * it is pending under a live lease; a pending key whose lease has ended is
+ * it is pending under a live lease, or finished and remembered: then it is
+ * compacted (its response and recovery point go, its outcome and
+ * fingerprint stay) and deleted once its remember passes too; a pending
+ * key whose lease has ended is
  * reset (its token dies; the next claim takes over with attempt + 1).  A
  * key that another transaction is changing right now, or whose lock is
  * taken, is skipped, so a sweep never waits on a claim and never removes a
@@ -53,13 +56,17 @@ sweep_lease_runs(const IdemRow *row, TimestampTz now)
 /*
  * When a key needs the sweeper next, once "kind" is done to it: at the end
  * of a running lease, else when its retention passes (a reset key has no
- * lease left).
+ * lease left), or, past that, when a remembered key is to be forgotten.
  */
 static TimestampTz
 sweep_due(const IdemRow *row, IdemSweepWork kind, TimestampTz now)
 {
+	TimestampTz until;
+
 	if (kind != IDEM_SWEEP_RESET && sweep_lease_runs(row, now))
 		return row->lease_until;
+	if (row->expires_at <= now && idem_row_remembered_until(row, &until))
+		return until;
 	return row->expires_at;
 }
 
@@ -106,9 +113,16 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 
 		if (row.expires_at <= now && !sweep_lease_runs(&row, now))
 		{
-			if (*expired + nwork[IDEM_SWEEP_DELETE] >= batch)
+			if (*expired + nwork[IDEM_SWEEP_DELETE] +
+				nwork[IDEM_SWEEP_COMPACT] >= batch)
 				continue;
-			kind = IDEM_SWEEP_DELETE;
+			if (!idem_row_remembered(&row, now))
+				kind = IDEM_SWEEP_DELETE;
+			/* compacted once, when its retention passed (sweep_at moved) */
+			else if (row.sweep_at > row.expires_at)
+				kind = IDEM_SWEEP_RESCHEDULE;
+			else
+				kind = IDEM_SWEEP_COMPACT;
 		}
 		else if (row.status == IDEM_PENDING && row.has_token &&
 				 !sweep_lease_runs(&row, now))
@@ -142,10 +156,11 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 	for (int i = 0; i < nlocked; i++)
 		idem_key_unlock(locked[i]);
 
-	*expired += done[IDEM_SWEEP_DELETE];
+	/* a compacted key's response is gone: it counts as expired */
+	*expired += done[IDEM_SWEEP_DELETE] + done[IDEM_SWEEP_COMPACT];
 	*reset += done[IDEM_SWEEP_RESET];
 	return done[IDEM_SWEEP_DELETE] + done[IDEM_SWEEP_RESET] +
-		done[IDEM_SWEEP_RESCHEDULE];
+		done[IDEM_SWEEP_RESCHEDULE] + done[IDEM_SWEEP_COMPACT];
 }
 
 /*

@@ -58,6 +58,7 @@ typedef enum WriteKind
 	WRITE_SWEEP_DELETE,
 	WRITE_SWEEP_RESET,
 	WRITE_SWEEP_RESCHEDULE,
+	WRITE_SWEEP_COMPACT,
 	NUM_WRITE_KINDS
 } WriteKind;
 
@@ -91,7 +92,8 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 		KEYS_COL_BIT(KEYS_COL_STATUS) | KEYS_COL_BIT(KEYS_COL_RESPONSE_CODE) |
 		KEYS_COL_BIT(KEYS_COL_RESPONSE_BODY) | KEYS_COL_BIT(KEYS_COL_FINISHED_AT) |
 		KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT) |
-	KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION), false},
+	KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION) |
+	KEYS_COL_BIT(KEYS_COL_REMEMBER), false},
 	[WRITE_CHECKPOINT] = {CMD_UPDATE, CHECKPOINT_COLUMNS, false},
 	[WRITE_EXTEND] = {CMD_UPDATE,
 	KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT), false},
@@ -108,6 +110,10 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 		KEYS_COL_BIT(KEYS_COL_TOKEN) | KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION),
 	true},
 	[WRITE_SWEEP_RESCHEDULE] = {CMD_UPDATE, KEYS_COL_BIT(KEYS_COL_SWEEP_AT), true},
+	/* a remembered key keeps its outcome, not what it answered with */
+	[WRITE_SWEEP_COMPACT] = {CMD_UPDATE,
+		KEYS_COL_BIT(KEYS_COL_RESPONSE_BODY) | KEYS_COL_BIT(KEYS_COL_SWEEP_AT) |
+	CHECKPOINT_COLUMNS, true},
 };
 
 /*
@@ -614,6 +620,16 @@ write_set_fingerprint(WriteRow *row, const uint8 *fingerprint)
 	write_set(row, KEYS_COL_FINGERPRINT, PointerGetDatum(b));
 }
 
+/* The remember column: the time to remember the key, or NULL (not). */
+static void
+write_set_remember(WriteRow *row, Interval *remember)
+{
+	if (remember != NULL)
+		write_set(row, KEYS_COL_REMEMBER, IntervalPGetDatum(remember));
+	else
+		write_set_null(row, KEYS_COL_REMEMBER);
+}
+
 /*
  * The sweep_at of an existing row that a write makes due at "due": never
  * later than it was.  The sweeper finds a row whose sweep_at passed before
@@ -634,7 +650,8 @@ static void
 write_set_pending_attempt(WriteRow *row, int64 token, int32 attempt,
 						  const uint8 *fingerprint, TimestampTz created_at,
 						  TimestampTz lease_until, TimestampTz expires_at,
-						  Interval *retention, TimestampTz sweep_at, int64 owner_session)
+						  Interval *retention, TimestampTz sweep_at, int64 owner_session,
+						  Interval *remember)
 {
 	write_set(row, KEYS_COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
 	write_set(row, KEYS_COL_TOKEN, Int64GetDatum(token));
@@ -654,6 +671,7 @@ write_set_pending_attempt(WriteRow *row, int64 token, int32 attempt,
 		write_set(row, KEYS_COL_OWNER_SESSION, Int64GetDatum(owner_session));
 	else
 		write_set_null(row, KEYS_COL_OWNER_SESSION);
+	write_set_remember(row, remember);
 }
 
 /* Insert a new pending key (first attempt). */
@@ -661,7 +679,8 @@ void
 idem_write_insert_claim(text *scope, text *key, int64 token,
 						const uint8 *fingerprint, TimestampTz now,
 						TimestampTz lease_until, TimestampTz expires_at,
-						Interval *retention, int64 owner_session)
+						Interval *retention, int64 owner_session,
+						Interval *remember)
 {
 	WriteRow	row;
 
@@ -669,7 +688,7 @@ idem_write_insert_claim(text *scope, text *key, int64 token,
 	write_set(&row, KEYS_COL_SCOPE, PointerGetDatum(scope));
 	write_set(&row, KEYS_COL_KEY, PointerGetDatum(key));
 	write_set_pending_attempt(&row, token, 1, fingerprint, now, lease_until, expires_at,
-							  retention, lease_until, owner_session);
+							  retention, lease_until, owner_session, remember);
 	(void) write_apply(WRITE_CLAIM_INSERT, &row, 1);
 }
 
@@ -683,14 +702,15 @@ void
 idem_write_update_claim(const IdemRow *old, int64 token, int32 attempt,
 						const uint8 *fingerprint, TimestampTz created_at,
 						TimestampTz lease_until, TimestampTz expires_at,
-						Interval *retention, int64 owner_session)
+						Interval *retention, int64 owner_session,
+						Interval *remember)
 {
 	WriteRow	row;
 
 	write_row_begin(&row, &old->tid);
 	write_set_pending_attempt(&row, token, attempt, fingerprint, created_at, lease_until,
 							  expires_at, retention, write_sweep_at(old, lease_until),
-							  owner_session);
+							  owner_session, remember);
 	(void) write_apply(attempt > 1 ? WRITE_CLAIM_TAKEOVER : WRITE_CLAIM_RENEW,
 					   &row, 1);
 }
@@ -699,7 +719,7 @@ idem_write_update_claim(const IdemRow *old, int64 token, int32 attempt,
 void
 idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
 				  int32 code, Datum body, TimestampTz now,
-				  TimestampTz expires_at)
+				  TimestampTz expires_at, Interval *remember)
 {
 	WriteRow	row;
 
@@ -719,6 +739,7 @@ idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
 	write_set(&row, KEYS_COL_SWEEP_AT,
 			  TimestampTzGetDatum(write_sweep_at(old, expires_at)));
 	write_set_null(&row, KEYS_COL_OWNER_SESSION);
+	write_set_remember(&row, remember);
 	(void) write_apply(WRITE_FINISH, &row, 1);
 }
 
@@ -771,8 +792,9 @@ idem_write_release(const IdemRow *old)
 /*
  * Apply one kind of sweep work to "n" rows (each locked by the caller and
  * re-read at exactly this version): delete them, reset them (their tokens
- * die), or move their sweep_at; a reset or reschedule sets each row's
- * sweep_at to the item's.  A row changed or locked by plain SQL since is
+ * die), move their sweep_at, or compact them (a remembered key's response
+ * and recovery point go); every kind but a delete sets each row's sweep_at
+ * to the item's.  A row changed or locked by plain SQL since is
  * skipped.  Returns how many rows it changed.
  */
 int
@@ -782,6 +804,7 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 		[IDEM_SWEEP_DELETE] = WRITE_SWEEP_DELETE,
 		[IDEM_SWEEP_RESET] = WRITE_SWEEP_RESET,
 		[IDEM_SWEEP_RESCHEDULE] = WRITE_SWEEP_RESCHEDULE,
+		[IDEM_SWEEP_COMPACT] = WRITE_SWEEP_COMPACT,
 	};
 	WriteRow   *rows;
 	int			done;
@@ -795,6 +818,9 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 		write_set_null(&rows[i], KEYS_COL_TOKEN);
 		write_set(&rows[i], KEYS_COL_SWEEP_AT, TimestampTzGetDatum(items[i].sweep_at));
 		write_set_null(&rows[i], KEYS_COL_OWNER_SESSION);
+		write_set_null(&rows[i], KEYS_COL_RESPONSE_BODY);
+		write_set_null(&rows[i], KEYS_COL_PHASE);
+		write_set_null(&rows[i], KEYS_COL_PHASE_DATA);
 	}
 	done = write_apply(kinds[work], rows, n);
 	pfree(rows);

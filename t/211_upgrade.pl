@@ -24,7 +24,10 @@
 #     point; a recovery point stored before is still there; batches and
 #     session-bound claims work; statements another session prepared before
 #     the update still run; idem_version() names the newest version; the
-#     tenant is still confined to its prefix; unbind_scope answers true,
+#     tenant is still confined to its prefix; a key claimed and finished
+#     with remember answers expired once its retention has passed, a
+#     different request mismatch, the sweep keeps its outcome and drops its
+#     response, and idem_forget lets it run again; unbind_scope answers true,
 #     then false; distribute() without Citus raises 55000 and changes
 #     nothing; cluster_stats answers one row, node 'local';
 #   - a dump taken before the update restores into the newest version with
@@ -43,10 +46,10 @@
 # dump carries them, every definition is a fresh install's, and once the
 # grants are revoked the roles can be dropped.
 # With a user's view and BEGIN ATOMIC function on idem_claim and a view on
-# the stats view: from a version whose update creates idem_claim anew (1.0
-# to 1.3), the update fails with 2BP01 and leaves the old version working
-# and unchanged; dropped, updated and created again, they work.  From the
-# others, the update goes through with them in place.
+# the stats view: the update to the newest version creates idem_claim anew
+# (from every released version), so it fails with 2BP01 and leaves the old
+# version working and unchanged; dropped, updated and created again, they
+# work.
 # On PostgreSQL 17 and later: a database that the first release of the 1.0
 # to 1.1 update left with role dependencies of initial privileges that no
 # initial privileges back is repaired by the update, and DROP ROLE works
@@ -71,15 +74,17 @@ skip_sql_edition(
 
 # Every released version: whether it has recovery points and batches (1.4
 # on), and whether the update from it creates idem_claim anew (a function's
-# arguments or result cannot change in place: 1.0 to 1.1 and 1.3 to 1.4 drop
-# it), so that a user's object on idem_claim stops the update.
+# arguments or result cannot change in place: 1.0 to 1.1, 1.3 to 1.4 and
+# 1.6 to 1.7 drop it), so that a user's object on idem_claim stops the
+# update.
 my @released = (
 	{ version => '1.0', since_1_4 => 0, claim_recreated => 1 },
 	{ version => '1.1', since_1_4 => 0, claim_recreated => 1 },
 	{ version => '1.2', since_1_4 => 0, claim_recreated => 1 },
 	{ version => '1.3', since_1_4 => 0, claim_recreated => 1 },
-	{ version => '1.4', since_1_4 => 1, claim_recreated => 0 },
-	{ version => '1.5', since_1_4 => 1, claim_recreated => 0 },);
+	{ version => '1.4', since_1_4 => 1, claim_recreated => 1 },
+	{ version => '1.5', since_1_4 => 1, claim_recreated => 1 },
+	{ version => '1.6', since_1_4 => 1, claim_recreated => 1 },);
 
 # No sweeps: no key's sweep_at moves while the test compares rows.
 my $node = new_node('upgrade', port => 55477,
@@ -426,6 +431,32 @@ foreach my $rel (@released)
 		"$db: a second time: false");
 	is(sql($db, 'SELECT idempotency.unbind_scope(NULL) IS NULL'), 't',
 		"$db: unbind_scope(NULL) is NULL (STRICT)");
+
+	# --- a remembered key, on the updated database --------------------------
+	$c = claim($node, $db, q{'rem', request => '{"k": "rem"}', remember => '30 days'});
+	sql($db, "SELECT idempotency.idem_finish('rem', $c->{token}, 201, $done_body)");
+	# past its retention without waiting for the clock
+	sql($db, "UPDATE idempotency.keys SET expires_at = now() - interval '1 second', "
+		  . "sweep_at = now() - interval '1 second' WHERE key = 'rem'");
+	is( sql($db, "SELECT concat_ws(',', outcome, token, status, response_code, response_body) "
+			  . "FROM idempotency.idem_claim('rem', request => '{\"k\": \"rem\"}')"),
+		'expired,succeeded,201', "$db: a remembered key past its retention answers expired");
+	is( sql($db, "SELECT outcome FROM idempotency.idem_claim('rem', request => '{\"k\": 2}')"),
+		'mismatch', "$db: a different request on it: mismatch");
+	sql($db, 'SELECT * FROM idempotency.idem_sweep()');
+	is( sql($db,
+			    "SELECT concat_ws(',', status, response_code, fingerprint IS NOT NULL, "
+			  . "response_body IS NULL, sweep_at = expires_at + remember) "
+			  . "FROM idempotency.keys WHERE key = 'rem'"),
+		'succeeded,201,t,t,t',
+		"$db: the sweep keeps its outcome and fingerprint and drops its response");
+	is( sql($db, "SELECT concat_ws(',', status, response_code, "
+			  . "remembered_until = expires_at + interval '30 days') "
+			  . "FROM idempotency.idem_lookup('rem')"),
+		'succeeded,201,t', "$db: idem_lookup shows it with remembered_until");
+	is(sql($db, "SELECT idempotency.idem_forget('rem')"), 't', "$db: idem_forget removes it");
+	is(sql($db, "SELECT outcome FROM idempotency.idem_claim('rem', request => '{\"k\": 2}')"),
+		'claimed', "$db: and it runs again");
 
 	# --- the dump taken before the update ------------------------------------
 	sql('postgres', "CREATE DATABASE ${db}_copy");

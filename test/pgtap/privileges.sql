@@ -1,12 +1,12 @@
 -- privileges.sql (pgTAP): application roles use the functions and nothing
 -- else.  The schema's USAGE is the DBA's grant; the client functions are
--- EXECUTE for PUBLIC; idem_sweep and distribute are not; the stats and
+-- EXECUTE for PUBLIC; idem_sweep, idem_forget and distribute are not; the stats and
 -- cluster_stats views are readable by PUBLIC; the table and the sequence
 -- are nobody's but the owner's.
 \set ON_ERROR_STOP 1
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
-SELECT plan(86);
+SELECT plan(88);
 
 CREATE ROLE regress_idem_app NOLOGIN;
 CREATE ROLE regress_idem_nousage NOLOGIN;
@@ -21,9 +21,9 @@ SELECT ok(NOT has_schema_privilege('regress_idem_nousage', 'idempotency', 'USAGE
           'a role without the grant has no USAGE');
 SELECT ok(NOT has_schema_privilege('regress_idem_app', 'idempotency', 'CREATE'),
           'the app role cannot create objects in schema idempotency');
-SELECT ok(has_function_privilege('public', 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean)', 'EXECUTE'),
+SELECT ok(has_function_privilege('public', 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval)', 'EXECUTE'),
           'PUBLIC may execute idem_claim');
-SELECT ok(has_function_privilege('public', 'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval)', 'EXECUTE'),
+SELECT ok(has_function_privilege('public', 'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval,interval)', 'EXECUTE'),
           'PUBLIC may execute idem_finish');
 SELECT ok(has_function_privilege('public', 'idempotency.idem_extend(text,bigint,interval,text)', 'EXECUTE'),
           'PUBLIC may execute idem_extend');
@@ -37,12 +37,16 @@ SELECT ok(has_function_privilege('public', 'idempotency.idem_checkpoint(text,big
           'PUBLIC may execute idem_checkpoint');
 SELECT ok(has_function_privilege('public', 'idempotency.idem_claim_many(text[],jsonb[],text,interval,interval,boolean)', 'EXECUTE'),
           'PUBLIC may execute idem_claim_many');
-SELECT ok(has_function_privilege('public', 'idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval)', 'EXECUTE'),
+SELECT ok(has_function_privilege('public', 'idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval,interval)', 'EXECUTE'),
           'PUBLIC may execute idem_finish_many');
 SELECT ok(NOT has_function_privilege('public', 'idempotency.idem_sweep(integer)', 'EXECUTE'),
           'PUBLIC may not execute idem_sweep');
 SELECT ok(NOT has_function_privilege('regress_idem_app', 'idempotency.idem_sweep(integer)', 'EXECUTE'),
           'the app role may not execute idem_sweep');
+SELECT ok(NOT has_function_privilege('public', 'idempotency.idem_forget(text,text)', 'EXECUTE'),
+          'PUBLIC may not execute idem_forget');
+SELECT ok(NOT has_function_privilege('regress_idem_app', 'idempotency.idem_forget(text,text)', 'EXECUTE'),
+          'the app role may not execute idem_forget');
 SELECT table_privs_are('idempotency', 'keys', 'public', ARRAY[]::name[],
                        'PUBLIC has no privilege on idempotency.keys');
 SELECT table_privs_are('idempotency', 'keys', 'regress_idem_app', ARRAY[]::name[],
