@@ -14,7 +14,8 @@ const DEFAULT_LEASE = 30;            /* seconds */
 const DEFAULT_RETENTION = 86400;     /* seconds: 24 h */
 /* the server's default idempotency.max_response_size, when the setting cannot be read */
 const DEFAULT_MAX_RESPONSE_SIZE = 1024 * 1024;
-const CLIENT_VERSION = '1.4';
+/* named in the errors that ask for a newer extension */
+const CLIENT_VERSION = require('../package.json').version;
 /*
  * Every statement this client always sends (idem_claim, idem_finish,
  * idem_extend, idem_release, idem_lookup with the named arguments used
@@ -24,6 +25,8 @@ const CLIENT_VERSION = '1.4';
 const MIN_EXTENSION_VERSION = '1.0';
 /* recovery points and session-bound claims came with 1.4 */
 const RECOVERY_EXTENSION_VERSION = '1.4';
+/* remembered keys (idem_claim's and idem_finish's remember argument) came with 1.7 */
+const REMEMBER_EXTENSION_VERSION = '1.7';
 
 /* SQLSTATEs of the extension this client reacts to */
 const SQLSTATE = {
@@ -57,9 +60,10 @@ const UNAVAILABLE_SQLSTATES = new Set(['57P01', '57P02', '57P03', '53300', '55P0
  * through to_jsonb, so that the statement also runs on extension versions
  * before 1.4, which have neither column (both read as NULL there); only a
  * takeover can carry them, so no other outcome pays for the conversion.
- * session_bound is named only when it is true, for the same reason.
+ * session_bound is named only when it is true, for the same reason, and
+ * remember only when the caller set it (rememberArg).
  */
-const claimSql = (sessionBound) => `
+const claimSql = (sessionBound, remember) => `
 SELECT c.outcome, c.token::text AS token, c.attempt, c.status, c.response_code,
        (c.response_body -> 'headers')::text AS headers,
        (c.response_body -> 'json')::text AS json,
@@ -75,21 +79,43 @@ SELECT c.outcome, c.token::text AS token, c.attempt, c.status, c.response_code,
                               lease => pg_catalog.make_interval(secs => $4::float8),
                               retention => pg_catalog.make_interval(secs => $5::float8),
                               wait => pg_catalog.make_interval(secs => $6::float8)${
-	sessionBound ? ',\n                              session_bound => true' : ''}) AS c`;
-const CLAIM_SQL = claimSql(false);
-const SESSION_BOUND_CLAIM_SQL = claimSql(true);
+	sessionBound ? ',\n                              session_bound => true' : ''}${
+	remember ? rememberArg(7) : ''}) AS c`;
+
+/*
+ * The remember argument of idem_claim and idem_finish, as parameter $n: named
+ * only when the caller set the option, so that a client without it keeps
+ * working on extension versions before 1.7, which lack the argument.
+ */
+function rememberArg(n) {
+	return `,\n                              remember => pg_catalog.make_interval(secs => $${n}::float8)`;
+}
+
+/* each statement's text, by whether it names session_bound and remember */
+const CLAIM_SQL = [claimSql(false, false), claimSql(false, true)];
+const SESSION_BOUND_CLAIM_SQL = [claimSql(true, false), claimSql(true, true)];
+
+/* the claim's statement and parameters; remember is null when not set */
+function claimStatement({ key, request, scope, lease, retention, wait, sessionBound = false, remember = null }) {
+	const params = [key, request, scope, lease, retention, wait];
+	if (remember !== null)
+		params.push(remember);
+	return { sql: (sessionBound ? SESSION_BOUND_CLAIM_SQL : CLAIM_SQL)[remember === null ? 0 : 1], params };
+}
 
 const CHECKPOINT_SQL = `
 SELECT idempotency.idem_checkpoint(key => $1, token => $2::bigint, phase => $3,
                                    data => $4::jsonb, scope => $5)`;
 
-const FINISH_SQL = `
+const finishSql = (remember) => `
 SELECT (pg_catalog.date_part('epoch', f.expires_at) * 1000)::float8 AS expires_ms,
        ($4::jsonb -> 'json')::text AS json
   FROM idempotency.idem_finish(key => $1, token => $2::bigint, response_code => $3::int,
                                response_body => $4::jsonb, scope => $5, status => $6,
-                               retention => pg_catalog.make_interval(secs => $7::float8))
+                               retention => pg_catalog.make_interval(secs => $7::float8)${
+	remember ? rememberArg(8) : ''})
        AS f(expires_at)`;
+const FINISH_SQL = [finishSql(false), finishSql(true)];
 
 /* once per pool: which database, which extension version, which response size limit */
 const ENVIRONMENT_SQL = `
@@ -276,6 +302,17 @@ function seconds(value, name, fallback) {
 	return value;
 }
 
+/* the remember option: null when not set (the server's idempotency.remember applies) */
+function rememberSeconds(value) {
+	return seconds(value, 'remember', null);
+}
+
+/* remember needs 1.7; without it nothing does */
+function requireRemember(info, remember) {
+	if (remember !== null)
+		requireVersion(info, REMEMBER_EXTENSION_VERSION, ' (remember)');
+}
+
 function positiveSeconds(value, name, fallback) {
 	const s = seconds(value, name, fallback);
 	if (s <= 0)
@@ -381,7 +418,11 @@ async function releaseOrLost(db, key, token, scope, cause) {
 	}
 }
 
-async function finishOrLost(db, params, cause, sql = FINISH_SQL) {
+/*
+ * params are the finish's first seven (key, token, code, body, scope, status,
+ * retention), then remember when set; sql is FINISH_SQL's text for them.
+ */
+async function finishOrLost(db, params, cause, sql = FINISH_SQL[params.length > 7 ? 1 : 0]) {
 	try {
 		return (await queryWithRetry(db, sql, params)).rows[0];
 	} catch (err) {
@@ -392,13 +433,16 @@ async function finishOrLost(db, params, cause, sql = FINISH_SQL) {
 }
 
 /*
- * The application's hooks: onClaim, onReplay, onConflict, onMismatch and
- * onError, each called with an event (key, scope, request, and the token and
- * attempt where there is one).  A hook observes: one that throws, or whose
+ * The application's hooks: onClaim, onReplay, onConflict, onMismatch,
+ * onExpired and onError, each called with an event (key, scope, request, and
+ * the token and attempt where there is one).  A hook observes: one that throws, or whose
  * promise rejects, is logged and changes no answer, and a promise is not
  * waited for.
  */
-const HOOKS = { onClaim: 'claim', onReplay: 'replay', onConflict: 'conflict', onMismatch: 'mismatch', onError: 'error' };
+const HOOKS = {
+	onClaim: 'claim', onReplay: 'replay', onConflict: 'conflict', onMismatch: 'mismatch',
+	onExpired: 'expired', onError: 'error',
+};
 
 function makeHooks(options, log) {
 	const hooks = {};
@@ -425,8 +469,8 @@ module.exports = {
 	DEFAULT_RETENTION,
 	RECOVERY_EXTENSION_VERSION,
 	SQLSTATE,
-	CLAIM_SQL,
-	SESSION_BOUND_CLAIM_SQL,
+	rememberArg,
+	claimStatement,
 	isUnavailable,
 	knownDatabase,
 	misconfigurationDetail,
@@ -435,6 +479,8 @@ module.exports = {
 	isLostKey,
 	seconds,
 	positiveSeconds,
+	rememberSeconds,
+	requireRemember,
 	toJsonText,
 	startHeartbeat,
 	defaultLog,

@@ -31,6 +31,23 @@ class MismatchError extends IdempotencyError {
 	}
 }
 
+/*
+ * The key was used before and its result has expired, but the server still
+ * remembers that it was (the claim's remember option, or the server's
+ * idempotency.remember): the work ran, with that status, and is not run
+ * again.  responseCode is the stored HTTP status, null for a job's key.
+ */
+class ExpiredError extends IdempotencyError {
+	constructor(key, { scope = '', status, responseCode = null } = {}) {
+		super(`idempotency key ${JSON.stringify(key)} was already used (it ${status}); its stored ` +
+			'result has expired, and the work is not run again');
+		this.key = key;
+		this.scope = scope;
+		this.status = status;
+		this.responseCode = responseCode;
+	}
+}
+
 /* the key's stored result is a failure: the replay of a job that failed for good */
 class StoredFailureError extends IdempotencyError {
 	constructor(key, stored) {
@@ -62,6 +79,6 @@ class KeyLostError extends IdempotencyError {
 class MisconfiguredError extends IdempotencyError {}
 
 module.exports = {
-	IdempotencyError, InProgressError, MismatchError, StoredFailureError, KeyLostError,
+	IdempotencyError, InProgressError, MismatchError, ExpiredError, StoredFailureError, KeyLostError,
 	MisconfiguredError,
 };

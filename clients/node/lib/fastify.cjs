@@ -11,6 +11,7 @@ const { Transform } = require('node:stream');
 const { keyLinesOf } = require('./header.cjs');
 const { FRAMING_HEADERS, bodyLimit, TOO_LARGE, toBuffer, hasBody } = require('./bodies.cjs');
 const { createEngine, THREW, ATTEMPT } = require('./http.cjs');
+const { rememberSeconds } = require('./core.cjs');
 
 const RAW_BODY = Symbol.for('pg-idempotency.rawBody');
 const BODY_TOO_LARGE = Symbol('pg-idempotency.bodyTooLarge');
@@ -30,7 +31,9 @@ function readStream(stream) {
  * methods option in the context it is registered in (and, with skip-override,
  * that context is the parent's).  Per route: config: { idempotency: false }
  * turns it off, config: { idempotency: { transactional: true } } runs the
- * route in one transaction on request.idempotency.client.
+ * route in one transaction on request.idempotency.client, and
+ * config: { idempotency: { remember: seconds } } replaces the remember option
+ * for the route.
  */
 async function fastifyIdempotency(fastify, options) {
 	const engine = createEngine(options);
@@ -41,6 +44,13 @@ async function fastifyIdempotency(fastify, options) {
 		fastify.decorateRequest('idempotency', null);
 
 	const routeSetting = (request) => request.routeOptions?.config?.idempotency;
+
+	/* a route's own remember is checked when the route is added, not at its first request */
+	fastify.addHook('onRoute', (route) => {
+		const remember = route.config?.idempotency?.remember;
+		if (remember !== undefined)
+			rememberSeconds(remember);
+	});
 
 	/* keep the raw bytes for the fingerprint (at most maxBodySize + 1), whatever the content type parser does */
 	fastify.addHook('preParsing', async (request, reply, payload) => {
@@ -89,7 +99,7 @@ async function fastifyIdempotency(fastify, options) {
 			rawBody: async () => (request[BODY_TOO_LARGE] ? TOO_LARGE : request[RAW_BODY] ?? Buffer.alloc(0)),
 			onTimeout: (response) => onTimeout?.(response),
 			original: request,
-		}, { transactional: setting?.transactional === true });
+		}, { transactional: setting?.transactional === true, remember: setting?.remember });
 		if (started.action === 'pass')
 			return;
 		if (started.action === 'respond') {

@@ -12,9 +12,9 @@
 const { createHash } = require('node:crypto');
 const { IdempotencyError, KeyLostError, MisconfiguredError } = require('./errors.cjs');
 const {
-	DEFAULT_LEASE, DEFAULT_RETENTION, SQLSTATE, CLAIM_SQL, isUnavailable, knownDatabase,
-	misconfigurationDetail, poolInfo, isLostKey, seconds, positiveSeconds, toJsonText, startHeartbeat,
-	defaultLog, makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
+	DEFAULT_LEASE, DEFAULT_RETENTION, SQLSTATE, rememberArg, claimStatement, isUnavailable, knownDatabase,
+	misconfigurationDetail, poolInfo, isLostKey, seconds, positiveSeconds, rememberSeconds, requireRemember,
+	toJsonText, startHeartbeat, defaultLog, makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
 } = require('./core.cjs');
 const { parseIdempotencyKey, checkCustomKey } = require('./header.cjs');
 const {
@@ -33,9 +33,10 @@ const DEFAULT_HANDLER_TIMEOUT = 300;        /* seconds */
 /*
  * The HTTP finish: $8 is the JSON body text as the handler wrote it (null
  * when the body is not stored as JSON).  When jsonb's text of it differs, the
- * handler's ETag named bytes nobody gets, and it is not stored.
+ * handler's ETag named bytes nobody gets, and it is not stored.  $9 is
+ * remember, when set.
  */
-const HTTP_FINISH_SQL = `
+const httpFinishSql = (remember) => `
 SELECT (pg_catalog.date_part('epoch', f.expires_at) * 1000)::float8 AS expires_ms,
        ($4::jsonb -> 'json')::text AS json
   FROM idempotency.idem_finish(key => $1, token => $2::bigint, response_code => $3::int,
@@ -45,8 +46,10 @@ SELECT (pg_catalog.date_part('epoch', f.expires_at) * 1000)::float8 AS expires_m
                                    THEN $4::jsonb #- '{headers,etag}'
                                    ELSE $4::jsonb END,
                                scope => $5, status => $6,
-                               retention => pg_catalog.make_interval(secs => $7::float8))
+                               retention => pg_catalog.make_interval(secs => $7::float8)${
+	remember ? rememberArg(9) : ''})
        AS f(expires_at)`;
+const HTTP_FINISH_SQL = [httpFinishSql(false), httpFinishSql(true)];
 
 /* the stored result itself too: a cache entry needs the expiry of the result it holds */
 const LOOKUP_SQL = `
@@ -67,6 +70,7 @@ const PROBLEMS = Object.freeze(Object.fromEntries(Object.entries({
 	'idempotency-key-in-use': [409, 'A request with this Idempotency-Key is in progress'],
 	'idempotency-key-reused': [422, 'Idempotency-Key reused with a different request'],
 	'idempotency-key-lost': [409, 'Idempotency-Key lost to a newer attempt'],
+	'idempotency-key-expired': [410, 'Idempotency-Key already used; its stored response has expired'],
 	'idempotency-request-too-large': [413, 'Request body too large'],
 	'idempotency-misconfigured': [500, 'Idempotency middleware misconfigured'],
 	'idempotency-unavailable': [503, 'Idempotency store briefly unavailable'],
@@ -143,6 +147,13 @@ function createEngine(options) {
 	 * the claim when the original finishes or releases the key.
 	 */
 	const wait = seconds(options.wait, 'wait', 0);
+	/*
+	 * How long the server remembers a key after its retention (its status and
+	 * response code, not the body), so that a late retry gets a 410 instead
+	 * of running again.  null: not sent, the server's idempotency.remember
+	 * applies.  Fastify routes may set their own (config.idempotency.remember).
+	 */
+	const remember = rememberSeconds(options.remember);
 	const handlerTimeout = options.handlerTimeout === 0 || options.handlerTimeout === null ? 0
 		: positiveSeconds(options.handlerTimeout, 'handlerTimeout', DEFAULT_HANDLER_TIMEOUT);
 	const maxBodySize = bodyLimit(options.maxBodySize);
@@ -168,9 +179,10 @@ function createEngine(options) {
 	const retentionHeader = String(Math.round(retention));
 	const logged = new Set();
 
-	function problem(slug, status, detail, extraHeaders = {}) {
+	/* members: the problem's extension members, after the standard ones */
+	function problem(slug, status, detail, extraHeaders = {}, members = {}) {
 		const body = Buffer.from(JSON.stringify({
-			type: problemBase + slug, title: PROBLEMS[slug].title, status, detail,
+			type: problemBase + slug, title: PROBLEMS[slug].title, status, detail, ...members,
 		}));
 		return {
 			status,
@@ -186,6 +198,17 @@ function createEngine(options) {
 	const lostKey = () => problem('idempotency-key-lost', 409,
 		'This attempt took longer than its lease and another attempt with the same ' +
 		'Idempotency-Key took over; this result was not stored. Retry to get the stored result.');
+
+	/*
+	 * A remembered key: its request was processed, with the outcome and status
+	 * in the members, and its response is gone.  410: repeating the request
+	 * cannot bring the response back, and it is not run again.
+	 */
+	const expired = ({ status, response_code: code }) => problem('idempotency-key-expired', 410,
+		`A request with this Idempotency-Key was already processed (it ${status}` +
+		`${code === null ? '' : `, with status ${code}`}); its stored response has expired ` +
+		'and the request is not run again. Use a new key for a new operation.',
+		{}, { key_status: status, response_code: code });
 
 	const unavailable = (detail = 'The result could not be recorded. Retry this request with the same Idempotency-Key.') =>
 		problem('idempotency-unavailable', 503, detail, { 'retry-after': '1' });
@@ -243,7 +266,7 @@ function createEngine(options) {
 		});
 	}
 
-	async function begin(req, { transactional = false } = {}) {
+	async function begin(req, { transactional = false, remember: routeRemember } = {}) {
 		if (!methods.has(String(req.method).toUpperCase()))
 			return { action: 'pass' };
 		let parsed;
@@ -320,16 +343,20 @@ function createEngine(options) {
 			}
 		}
 
+		const keep = routeRemember === undefined ? remember : rememberSeconds(routeRemember);
+		const { sql: claimSql, params: claimParams } = claimStatement({
+			key, request: requestText, scope, lease, retention, wait, remember: keep,
+		});
 		let client = null;
 		let claim;
 		let info = null;
 		try {
 			info = await poolInfo(pool, log);
+			requireRemember(info, keep);
 			if (transactional) {
 				client = await pool.connect();
 				await client.query('BEGIN');
-				claim = (await client.query(CLAIM_SQL,
-					[key, requestText, scope, lease, retention, wait])).rows[0];
+				claim = (await client.query(claimSql, claimParams)).rows[0];
 				/*
 				 * The savepoint after the claim: failedWrites 'rollback' returns
 				 * to it, and so does a failed outcome whose handler left the
@@ -343,8 +370,7 @@ function createEngine(options) {
 					client = null;
 				}
 			} else {
-				claim = (await pool.query(CLAIM_SQL,
-					[key, requestText, scope, lease, retention, wait])).rows[0];
+				claim = (await pool.query(claimSql, claimParams)).rows[0];
 			}
 		} catch (err) {
 			if (client)
@@ -381,6 +407,9 @@ function createEngine(options) {
 						'This Idempotency-Key was already used for a different request ' +
 						'(method, path or body). Use a new key for a new operation.'),
 				};
+			case 'expired':
+				hooks.expired({ key, scope, request: req.original, status: claim.status, responseCode: claim.response_code });
+				return { action: 'respond', response: expired(claim) };
 			case 'claimed':
 				break;
 			default:
@@ -573,7 +602,8 @@ function createEngine(options) {
 							continue;
 						}
 						try {
-							row = (await client.query(HTTP_FINISH_SQL, finishParams(omitted, full, member, decision, status))).rows[0];
+							row = (await client.query(HTTP_FINISH_SQL[keep === null ? 0 : 1],
+								finishParams(omitted, full, member, decision, status))).rows[0];
 							break;
 						} catch (err) {
 							if (!retryForm(err))
@@ -587,7 +617,8 @@ function createEngine(options) {
 				} else {
 					for (;;) {
 						try {
-							row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined, HTTP_FINISH_SQL);
+							row = await finishOrLost(pool, finishParams(omitted, full, member, decision, status), undefined,
+								HTTP_FINISH_SQL[keep === null ? 0 : 1]);
 							break;
 						} catch (err) {
 							if (!retryForm(err))
@@ -650,7 +681,8 @@ function createEngine(options) {
 
 		function finishParams(omitted, full, member, decision, status) {
 			return [key, token, status, omitted === null ? full : omitted.envelope, scope, decision,
-				retention, omitted === null && member?.json !== undefined ? member.json : null];
+				retention, omitted === null && member?.json !== undefined ? member.json : null,
+				...(keep === null ? [] : [keep])];
 		}
 
 		/* the request died without a response: give the key back */

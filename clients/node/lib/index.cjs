@@ -2,13 +2,15 @@
 /*
  * pg-idempotency: idempotency keys for node-postgres on top of the idempotency
  * PostgreSQL extension.  The database holds every key's state; this package maps
- * the extension's four claim outcomes onto jobs (idempotent(), idempotentJob()) and onto HTTP
+ * the extension's five claim outcomes onto jobs (idempotent(), idempotentJob()) and onto HTTP
  * (an Express middleware and a Fastify plugin):
  *
  *   claimed      run the work, keep the lease alive, then idem_finish or idem_release
  *   replay       the stored result, without running the work
  *   in_progress  someone else holds the key: 409 + Retry-After / InProgressError
  *   mismatch     same key, different request: 422 / MismatchError
+ *   expired      the work ran, its result is gone, the server remembers the key:
+ *                410 / ExpiredError (extension 1.7, the remember option)
  *
  * Every call is one autocommit statement on whatever pool connection is free
  * (no session state spans claim and finish), so it works through PgBouncer in
@@ -36,7 +38,7 @@
  */
 
 const {
-	IdempotencyError, InProgressError, MismatchError, StoredFailureError, KeyLostError,
+	IdempotencyError, InProgressError, MismatchError, ExpiredError, StoredFailureError, KeyLostError,
 	MisconfiguredError,
 } = require('./errors.cjs');
 const { idempotent, idempotentJob, currentJob } = require('./jobs.cjs');
@@ -58,6 +60,7 @@ module.exports = {
 	IdempotencyError,
 	InProgressError,
 	MismatchError,
+	ExpiredError,
 	StoredFailureError,
 	KeyLostError,
 	MisconfiguredError,

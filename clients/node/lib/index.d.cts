@@ -57,6 +57,12 @@ export interface Hooks<Req = unknown> {
 	onConflict?: (event: HookEvent<Req> & { retryAfter: number }) => void | Promise<void>;
 	/** The key was used for another request: MismatchError, or 422. */
 	onMismatch?: (event: HookEvent<Req>) => void | Promise<void>;
+	/**
+	 * The key's result has expired but the server remembers it (extension 1.7): ExpiredError,
+	 * or 410. status: the key's ('succeeded' or 'failed'); responseCode: the stored HTTP status
+	 * (null for a job's key).
+	 */
+	onExpired?: (event: HookEvent<Req> & { status: 'succeeded' | 'failed'; responseCode: number | null }) => void | Promise<void>;
 	/** The store failed or the key was lost (not the application's own errors). */
 	onError?: (event: HookEvent<Req> & { error: unknown }) => void | Promise<void>;
 }
@@ -88,6 +94,13 @@ export interface IdempotentOptions extends Hooks {
 	 * extension version 1.4. Default false.
 	 */
 	sessionBound?: boolean;
+	/**
+	 * Seconds the server remembers the key after its retention (its status, not its result),
+	 * so that a call past the retention throws ExpiredError instead of running fn again. Not
+	 * set: the server's idempotency.remember (default off). 0: off, whatever the server's
+	 * setting. Needs extension version 1.7 (MisconfiguredError before the claim otherwise).
+	 */
+	remember?: Seconds | null;
 }
 
 export interface CheckpointOptions {
@@ -160,6 +173,7 @@ export type Jsonified<T> = T extends { toJSON(): infer R }
  *
  * @throws InProgressError another attempt holds the key
  * @throws MismatchError the key was used with a different request
+ * @throws ExpiredError the key was used, its result has expired and the server remembers it
  * @throws StoredFailureError the key holds a failure stored by a non-retryable error
  * @throws KeyLostError the lease ran out and another attempt took the key over
  */
@@ -221,6 +235,14 @@ export interface HttpOptions<Req> extends Hooks<Req> {
 	lease?: Seconds;
 	/** How long results are kept; sent as Idempotency-Key-Retention. Default 86400. */
 	retention?: Seconds;
+	/**
+	 * Seconds the server remembers a key after its retention (its status and response code, not
+	 * the body): a retry in that time gets 410 idempotency-key-expired instead of running the
+	 * handler again. Not set: the server's idempotency.remember (default off). 0: off, whatever
+	 * the server's setting. Needs extension version 1.7: older ones answer 500
+	 * idempotency-misconfigured naming it. Fastify routes can set their own.
+	 */
+	remember?: Seconds | null;
 	/** What a response status does to the key. Default: defaultStorePolicy. Overrides storeServerErrors. */
 	storePolicy?: (status: number) => StoreDecision;
 	/** Store a 5xx the handler sends as failed (replayed) instead of releasing the key. A thrown error still releases. Default false. */
@@ -297,8 +319,8 @@ export function expressIdempotency<Req extends IncomingMessage = IncomingMessage
 	options: HttpOptions<Req>,
 ): ExpressIdempotencyMiddleware;
 
-/** Per-route Fastify setting: `config: { idempotency: false }` or `{ idempotency: { transactional: true } }`. */
-export type FastifyRouteIdempotency = false | { transactional?: boolean };
+/** Per-route Fastify setting: `config: { idempotency: false }` or `{ idempotency: { transactional: true, remember: 2592000 } }`. */
+export type FastifyRouteIdempotency = false | { transactional?: boolean; remember?: Seconds | null };
 
 /** Fastify plugin; `app.register(fastifyIdempotency, options)`. Needs no fastify-plugin. */
 export function fastifyIdempotency(instance: any, options: HttpOptions<any>): Promise<void>;
@@ -334,6 +356,16 @@ export class InProgressError extends IdempotencyError {
 
 export class MismatchError extends IdempotencyError {
 	readonly key: string;
+}
+
+/** The key was used and its result has expired; the server remembers it, so the work is not run again. */
+export class ExpiredError extends IdempotencyError {
+	readonly key: string;
+	readonly scope: string;
+	/** The key's outcome when it was settled. */
+	readonly status: 'succeeded' | 'failed';
+	/** The stored HTTP status; null for a job's key. */
+	readonly responseCode: number | null;
 }
 
 export class StoredFailureError extends IdempotencyError {

@@ -15,6 +15,7 @@ export const {
 	IdempotencyError,
 	InProgressError,
 	MismatchError,
+	ExpiredError,
 	StoredFailureError,
 	KeyLostError,
 	MisconfiguredError,

@@ -5,17 +5,18 @@
  * while a heartbeat keeps its lease; the return value is stored, an error
  * that retryable(err) accepts releases the key for the next delivery, any
  * other error is stored as the key's failure.  A session-bound claim holds
- * its pool connection until the attempt settles.
+ * its pool connection until the attempt settles.  A key whose result has
+ * expired but which the server remembers throws ExpiredError: the work ran.
  */
 
 const { AsyncLocalStorage } = require('node:async_hooks');
 const {
-	IdempotencyError, InProgressError, MismatchError, StoredFailureError, KeyLostError,
+	IdempotencyError, InProgressError, MismatchError, ExpiredError, StoredFailureError, KeyLostError,
 } = require('./errors.cjs');
 const {
-	DEFAULT_LEASE, DEFAULT_RETENTION, RECOVERY_EXTENSION_VERSION, CLAIM_SQL, SESSION_BOUND_CLAIM_SQL,
-	requireVersion, poolInfo, seconds, positiveSeconds, toJsonText, startHeartbeat, defaultLog,
-	makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
+	DEFAULT_LEASE, DEFAULT_RETENTION, RECOVERY_EXTENSION_VERSION, claimStatement,
+	requireVersion, poolInfo, seconds, positiveSeconds, rememberSeconds, requireRemember, toJsonText,
+	startHeartbeat, defaultLog, makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
 } = require('./core.cjs');
 
 /*
@@ -42,13 +43,14 @@ async function idempotent(pool, options, fn) {
 	const lease = positiveSeconds(options.lease, 'lease', DEFAULT_LEASE);
 	const retention = positiveSeconds(options.retention, 'retention', DEFAULT_RETENTION);
 	const wait = seconds(options.wait, 'wait', 0);
+	const remember = rememberSeconds(options.remember);
 	const retryable = options.retryable ?? (() => true);
 	const log = options.log ?? defaultLog;
 	const request = options.request === undefined ? null : toJsonText(options.request, 'request');
 	if (options.sessionBound !== undefined && typeof options.sessionBound !== 'boolean')
 		throw new TypeError(`options.sessionBound must be a boolean, got ${String(options.sessionBound)}`);
 	const sessionBound = options.sessionBound === true;
-	const params = [key, request, scope, lease, retention, wait];
+	const { sql: claimSql, params } = claimStatement({ key, request, scope, lease, retention, wait, sessionBound, remember });
 	const hooks = makeHooks(options, log);
 	const event = { key, scope, request: options.request ?? null };
 	/* the application's own error (fn threw it), which onError does not report */
@@ -57,7 +59,7 @@ async function idempotent(pool, options, fn) {
 		return await claimAndRun();
 	} catch (err) {
 		if (err !== seen.user && !(err instanceof InProgressError) && !(err instanceof MismatchError) &&
-			!(err instanceof StoredFailureError))
+			!(err instanceof ExpiredError) && !(err instanceof StoredFailureError))
 			hooks.error({ ...event, error: err });
 		throw err;
 	}
@@ -72,12 +74,15 @@ async function idempotent(pool, options, fn) {
 			hooks.conflict({ ...event, retryAfter: Number(claim.retry_after ?? 1) });
 		else if (claim.outcome === 'mismatch')
 			hooks.mismatch(event);
+		else if (claim.outcome === 'expired')
+			hooks.expired({ ...event, status: claim.status, responseCode: claim.response_code });
 	}
 
 	async function claimAndRun() {
 		const info = await poolInfo(pool, log);
 		if (sessionBound)
 			requireVersion(info, RECOVERY_EXTENSION_VERSION, ' (sessionBound)');
+		requireRemember(info, remember);
 
 		/*
 		 * A session-bound claim through a pool runs on a client held until the
@@ -102,7 +107,7 @@ async function idempotent(pool, options, fn) {
 				held = null;
 			};
 			try {
-				claim = (await held.query(SESSION_BOUND_CLAIM_SQL, params)).rows[0];
+				claim = (await held.query(claimSql, params)).rows[0];
 			} catch (err) {
 				/* a connection error (no SQLSTATE) retires the client; a refused claim does not */
 				if (err?.code === undefined)
@@ -113,14 +118,14 @@ async function idempotent(pool, options, fn) {
 			announce(claim);
 			if (claim.outcome === 'claimed') {
 				try {
-					return await runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info, seen }, fn);
+					return await runClaimed(pool, claim, { key, scope, lease, retention, remember, retryable, log, info, seen }, fn);
 				} finally {
 					giveBack();
 				}
 			}
 			giveBack();
 		} else {
-			claim = (await pool.query(sessionBound ? SESSION_BOUND_CLAIM_SQL : CLAIM_SQL, params)).rows[0];
+			claim = (await pool.query(claimSql, params)).rows[0];
 			announce(claim);
 		}
 		switch (claim.outcome) {
@@ -132,8 +137,10 @@ async function idempotent(pool, options, fn) {
 				throw new InProgressError(key, claim.retry_after ?? 1);
 			case 'mismatch':
 				throw new MismatchError(key);
+			case 'expired':
+				throw new ExpiredError(key, { scope, status: claim.status, responseCode: claim.response_code });
 			case 'claimed':
-				return runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info, seen }, fn);
+				return runClaimed(pool, claim, { key, scope, lease, retention, remember, retryable, log, info, seen }, fn);
 			default:
 				throw new IdempotencyError(`unexpected claim outcome ${claim.outcome}`);
 		}
@@ -141,7 +148,7 @@ async function idempotent(pool, options, fn) {
 }
 
 /* run fn for a claimed key, keep its lease alive, then store its result or give the key back */
-async function runClaimed(pool, claim, { key, scope, lease, retention, retryable, log, info, seen }, fn) {
+async function runClaimed(pool, claim, { key, scope, lease, retention, remember, retryable, log, info, seen }, fn) {
 	const token = claim.token;
 	const attempt = claim.attempt;
 	const controller = new AbortController();
@@ -155,6 +162,9 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, retryable
 		onLost: (err) => onLost(new KeyLostError(key, { cause: err })),
 	});
 	const checkpoint = makeCheckpoint(pool, { key, token, scope, onLost, info });
+	/* the finish's parameters: remember only when set */
+	const finishParams = (envelope, status) =>
+		[key, token, null, envelope, scope, status, retention, ...(remember === null ? [] : [remember])];
 
 	let value;
 	try {
@@ -176,7 +186,7 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, retryable
 			v: 1,
 			error: { name: String(err?.name ?? 'Error'), message: String(err?.message ?? err) },
 		});
-		await finishOrLost(pool, [key, token, null, envelope, scope, 'failed', retention], err);
+		await finishOrLost(pool, finishParams(envelope, 'failed'), err);
 		throw err;
 	}
 	await heartbeat.stop();
@@ -193,7 +203,7 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, retryable
 		await releaseOrLost(pool, key, token, scope, err);
 		throw err;
 	}
-	await finishOrLost(pool, [key, token, null, envelope, scope, 'succeeded', retention]);
+	await finishOrLost(pool, finishParams(envelope, 'succeeded'));
 	return { replayed: false, value, attempt, token };
 }
 

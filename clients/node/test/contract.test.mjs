@@ -9,7 +9,7 @@ import { randomUUID } from 'node:crypto';
 import pg from 'pg';
 import Fastify from 'fastify';
 import { expressIdempotency, fastifyIdempotency, idempotencyContext, PROBLEMS } from 'pg-idempotency';
-import { db, deferred, exchange, expresses, listen } from './helpers.mjs';
+import { db, deferred, exchange, expresses, listen, age } from './helpers.mjs';
 
 const contractPath = process.env.IDEM_CONTRACT ?? new URL('../../contract/http.json', import.meta.url);
 const contract = JSON.parse(readFileSync(contractPath, 'utf8'));
@@ -42,7 +42,7 @@ function middlewareOptions(options = {}, heard = []) {
 		out.key = (req) => req.headers[keyHeader] ?? null;
 	if (hooks) {
 		for (const [option, name] of [['onClaim', 'claim'], ['onReplay', 'replay'],
-			['onConflict', 'conflict'], ['onMismatch', 'mismatch'], ['onError', 'error']]) {
+			['onConflict', 'conflict'], ['onMismatch', 'mismatch'], ['onExpired', 'expired'], ['onError', 'error']]) {
 			out[option] = (event) => {
 				heard.push({ name, key: event.key, scope: event.scope, hasRequest: event.request !== undefined });
 				if (hooks === 'throw')
@@ -182,6 +182,8 @@ function check(answer, expect, runs, where) {
 		assert.equal(answer.bytes.length, expect.bodyBytes, where);
 	for (const [member, type] of Object.entries(expect.bodyTypes ?? {}))
 		assert.equal(typeof JSON.parse(answer.text)[member], type, `${where}: type of ${member}`);
+	for (const [member, value] of Object.entries(expect.bodyMembers ?? {}))
+		assert.deepEqual(JSON.parse(answer.text)[member], value, `${where}: member ${member}`);
 	if (expect.runs !== undefined)
 		assert.equal(runs, expect.runs, `${where}: handler runs`);
 }
@@ -208,6 +210,8 @@ for (const target of targets) {
 				try {
 					for (const [i, spec] of c.requests.entries()) {
 						const where = `request ${i + 1}`;
+						if (spec.ageKey)
+							await age(keyOf(spec, runId));
 						if (spec.background) {
 							const entered = deferred();
 							handler.state.entered.push(entered);

@@ -25,6 +25,19 @@ export async function row(key, scope = '') {
 	return rows[0] ?? null;
 }
 
+/**
+ * Move a finished key past its retention, as if its time had passed: what a
+ * claim of it answers then (absent, or expired when the server remembers it)
+ * without waiting for the clock.
+ */
+export async function age(key, scope = '') {
+	const { rowCount } = await db.query(
+		`UPDATE idempotency.keys SET expires_at = now() - interval '1 second',
+		        sweep_at = now() - interval '1 second'
+		  WHERE scope = $1 AND key = $2 AND status <> 'pending'`, [scope, key]);
+	assert.equal(rowCount, 1, `the finished key ${key} to age`);
+}
+
 /** A promise plus its resolve, for handlers that wait until the test lets them go. */
 export function deferred() {
 	let resolve;

@@ -75,6 +75,17 @@ def stored(db: psycopg.Connection[Any], key: str, scope: str = "") -> Optional[t
         "WHERE key = %s AND scope = %s", (key, scope)).fetchone()
 
 
+def age(db: psycopg.Connection[Any], key: str, scope: str = "") -> None:
+    """Move a finished key past its retention, as if that time had passed:
+    what a claim of it answers then (absent, or expired when the server
+    remembers it), without waiting for the clock."""
+    updated = db.execute(
+        "UPDATE idempotency.keys SET expires_at = now() - interval '1 second',"
+        "       sweep_at = now() - interval '1 second'"
+        " WHERE scope = %s AND key = %s AND status <> 'pending'", (scope, key)).rowcount
+    assert updated == 1, f"the finished key {key!r} to age"
+
+
 def token_of(db: psycopg.Connection[Any], key: str, scope: str = "") -> int:
     row = db.execute("SELECT token FROM idempotency.keys WHERE key = %s AND scope = %s",
                      (key, scope)).fetchone()

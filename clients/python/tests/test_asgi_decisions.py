@@ -427,7 +427,7 @@ def test_a_missing_database_is_a_500_not_a_503(key: str) -> None:
 
 
 def test_an_extension_older_than_needed_names_the_update() -> None:
-    with pytest.raises(MisconfiguredError, match=r"^pg-idempotency 0\.4\.0 needs the "
+    with pytest.raises(MisconfiguredError, match=r"^pg-idempotency 0\.5\.0 needs the "
                        r"idempotency extension 1\.0 or later; database \"shop\" has 0\.9: "
                        r"run ALTER EXTENSION idempotency UPDATE\.$"):
         server_info(("shop", "0.9", None, None))

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from conftest import Server, database_with_extension, with_pool_lifespan
+from conftest import Server, age, database_with_extension, with_pool_lifespan
 from pg_idempotency import HookEvent, IdempotencyMiddleware
 from pg_idempotency.asgi import PROBLEMS as LIBRARY_PROBLEMS
 
@@ -92,7 +92,7 @@ def make_app(handler: Handler, pool: AsyncConnectionPool, options: Dict[str, Any
             heard.append(event)
             if throws:
                 raise RuntimeError(f"the on_{event.kind} hook raises")
-        for name in ("claim", "replay", "conflict", "mismatch", "error"):
+        for name in ("claim", "replay", "conflict", "mismatch", "expired", "error"):
             kwargs[f"on_{name}"] = hook
     return with_pool_lifespan(IdempotencyMiddleware(handler, pool=pool, **kwargs), pool)
 
@@ -173,6 +173,8 @@ def check(response: httpx.Response, expect: Dict[str, Any], handler: Handler, wh
         assert response.json() == expect["bodyJson"], what
     if "bodyBytes" in expect:
         assert len(response.content) == expect["bodyBytes"], what
+    for member, value in expect.get("bodyMembers", {}).items():
+        assert response.json()[member] == value, f"{what}: member {member}"
     for member, kind in expect.get("bodyTypes", {}).items():
         value = response.json()[member]
         assert isinstance(value, JSON_TYPES[kind]) and not (
@@ -199,6 +201,9 @@ def test_contract(case: Dict[str, Any], request: Any) -> None:
         try:
             for i, spec in enumerate(case["requests"]):
                 what = f"request {i + 1}"
+                if spec.get("ageKey"):
+                    with psycopg.connect(autocommit=True) as admin:
+                        age(admin, str(key_of(spec, run)))
                 if spec.get("background"):
                     result: Dict[str, Any] = {}
                     runs_before = handler.runs

@@ -1,7 +1,8 @@
 // Compiled (not run) by test.sh: the ESM types of the installed package.
 import {
 	idempotent, idempotentJob, currentJob, expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext,
-	defaultStorePolicy, InProgressError, KeyLostError, MisconfiguredError, type IdempotencyContext, type JsonValue,
+	defaultStorePolicy, InProgressError, KeyLostError, MisconfiguredError, ExpiredError, type IdempotencyContext,
+	type JsonValue,
 } from 'pg-idempotency';
 import express from 'express';
 import Fastify from 'fastify';
@@ -51,8 +52,17 @@ app.post('/orders', idem.transactional, async (req, res) => {
 app.use(idem.errors);
 
 const f = Fastify();
-await f.register(fastifyIdempotency, { pool, storePolicy: (s) => (s >= 500 ? 'release' : 'succeeded') });
+await f.register(fastifyIdempotency, { pool, storePolicy: (s) => (s >= 500 ? 'release' : 'succeeded'), remember: 86400 });
 f.post('/x', async (request) => ({ key: idempotencyContext(request as any)?.key }));
+const payouts = expressIdempotency({
+	pool, remember: 30 * 86400,
+	onExpired: ({ key, status, responseCode }) => {
+		const outcome: 'succeeded' | 'failed' = status;
+		const code: number | null = responseCode;
+		void key; void outcome; void code;
+	},
+});
+void payouts;
 
 const resumed = await idempotent(pool, { key: 'order-1', sessionBound: true },
 	async ({ phase, phaseData, checkpoint }) => {
@@ -76,7 +86,7 @@ const unscoped = idempotentJob(pool, { key: (id: string) => id, scope: '' }, asy
 void unscoped;
 
 try {
-	await idempotent(pool, { key: 'k' }, () => 1);
+	await idempotent(pool, { key: 'k', remember: 7 * 86400, onExpired: (e) => console.log(e.status) }, () => 1);
 } catch (err) {
 	if (err instanceof InProgressError) {
 		const s: number = err.retryAfter;
@@ -84,6 +94,11 @@ try {
 	}
 	if (err instanceof KeyLostError)
 		console.log(err.key);
+	if (err instanceof ExpiredError) {
+		const was: 'succeeded' | 'failed' = err.status;
+		const code: number | null = err.responseCode;
+		console.log(err.key, err.scope, was, code);
+	}
 	if (err instanceof MisconfiguredError)
 		console.log(err.message);
 }

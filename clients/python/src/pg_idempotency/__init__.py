@@ -7,8 +7,8 @@
   app (Starlette, FastAPI).
 """
 
-from ._core import (PACKAGE_VERSION, Duration, IdempotencyError, InProgressError, KeyLostError,
-                    MismatchError, MisconfiguredError, StoredFailureError)
+from ._core import (PACKAGE_VERSION, Duration, ExpiredError, IdempotencyError, InProgressError,
+                    KeyLostError, MismatchError, MisconfiguredError, StoredFailureError)
 from .asgi import (DEFAULT_STORE_HEADERS, FRAMING_HEADERS, IdempotencyAttempt,
                    IdempotencyMiddleware, IdempotencyRequest, StoreDecision, StorePolicy,
                    default_store_policy)
@@ -22,7 +22,7 @@ __version__ = PACKAGE_VERSION
 
 __all__ = [
     "AsyncIdempotent", "AsyncJob", "CachedResult", "DEFAULT_STORE_HEADERS", "Duration",
-    "FRAMING_HEADERS", "Hook", "HookEvent", "IdempotencyAttempt", "IdempotencyError", "IdempotencyMiddleware",
+    "ExpiredError", "FRAMING_HEADERS", "Hook", "HookEvent", "IdempotencyAttempt", "IdempotencyError", "IdempotencyMiddleware",
     "IdempotencyRequest", "Idempotent", "InProgressError", "Job", "KeyHeader", "KeyLostError",
     "MismatchError", "MisconfiguredError", "ResultCache", "Retryable", "StoreDecision",
     "StorePolicy", "StoredFailureError", "current_job", "default_store_policy", "idempotent",

@@ -28,20 +28,23 @@ __all__ = [
     "IdempotencyError",
     "InProgressError",
     "MismatchError",
+    "ExpiredError",
     "StoredFailureError",
     "KeyLostError",
     "MisconfiguredError",
 ]
 
 #: This package's version, named in the errors that ask for a newer extension.
-PACKAGE_VERSION = "0.4.0"
+PACKAGE_VERSION = "0.5.0"
 
 #: The oldest extension version this package runs on: its claim, finish,
 #: extend, release and lookup calls name only the arguments of 1.0 (the
 #: claim reads phase and phase_data through to_jsonb, NULL before 1.4).
-#: ``checkpoint()`` and ``session_bound=True`` need 1.4 and say so.
+#: ``checkpoint()`` and ``session_bound=True`` need 1.4 and say so, the
+#: ``remember`` option 1.7.
 MIN_EXTENSION = (1, 0)
 CHECKPOINT_EXTENSION = (1, 4)
+REMEMBER_EXTENSION = (1, 7)
 
 #: A duration: seconds (int or float) or a ``datetime.timedelta``.
 Duration = Union[int, float, _dt.timedelta]
@@ -58,6 +61,9 @@ LOST_SQLSTATES = frozenset({"55006", "55000", "P0002"})
 # statement also runs on extension versions before 1.4, which have neither
 # (both read as NULL there); only a takeover can carry them, so no other
 # outcome pays for the conversion.
+#
+# session_bound is named only when it is true, for the same reason, and
+# remember only when the caller set it (REMEMBER_ARG).
 _CLAIM_SQL = """
 SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body,
        c.retry_after,
@@ -70,13 +76,25 @@ SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body
                               scope     => %(scope)s,
                               lease     => %(lease)s::interval,
                               retention => %(retention)s::interval,
-                              wait      => %(wait)s::interval{bound}) AS c"""
+                              wait      => %(wait)s::interval{bound}{remember}) AS c"""
 
-CLAIM_SQL = _CLAIM_SQL.format(bound="")
+# The remember argument of idem_claim and idem_finish: named only when the
+# caller set the option, so that a client without it keeps working on
+# extension versions before 1.7, which lack the argument.
+REMEMBER_ARG = ",\n                              remember  => %(remember)s::interval"
+_SESSION_BOUND_ARG = ",\n                              session_bound => true"
 
-# session_bound is named only when it is true, for the same reason.
-SESSION_BOUND_CLAIM_SQL = _CLAIM_SQL.format(
-    bound=",\n                              session_bound => true")
+
+def _remembering(sql: str) -> Dict[bool, str]:
+    """A statement's text by whether it names remember (at ``{remember}``)."""
+    return {False: sql.replace("{remember}", ""), True: sql.replace("{remember}", REMEMBER_ARG)}
+
+
+def claim_sql(session_bound: bool, remember: bool) -> str:
+    """The job's claim, naming session_bound and remember only when used."""
+    return _remembering(_CLAIM_SQL.replace(
+        "{bound}", _SESSION_BOUND_ARG if session_bound else ""))[remember]
+
 
 CHECKPOINT_SQL = """
 SELECT idempotency.idem_checkpoint(key   => %(key)s,
@@ -85,14 +103,17 @@ SELECT idempotency.idem_checkpoint(key   => %(key)s,
                                    data  => %(data)s,
                                    scope => %(scope)s)"""
 
-FINISH_SQL = """
+_FINISH_SQL = """
 SELECT idempotency.idem_finish(key           => %(key)s,
                                token         => %(token)s,
                                response_code => %(code)s::int,
                                response_body => %(body)s,
                                scope         => %(scope)s,
                                status        => %(status)s,
-                               retention     => %(retention)s::interval)"""
+                               retention     => %(retention)s::interval{remember})"""
+
+#: The job's finish, by whether it names remember.
+FINISH_SQL = _remembering(_FINISH_SQL)
 
 EXTEND_SQL = """
 SELECT idempotency.idem_extend(key   => %(key)s,
@@ -110,7 +131,7 @@ SELECT status, response_code, response_body, expires_at
 # The HTTP middleware's claim also reads PostgreSQL's text of the stored JSON
 # body (the envelope's "json" member, or a whole body stored without the
 # envelope), so that a replay sends the bytes the Node library sends.
-HTTP_CLAIM_SQL = """
+_HTTP_CLAIM_SQL = """
 SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body,
        c.retry_after,
        CASE WHEN pg_catalog.jsonb_typeof(c.response_body -> 'v') = 'number'
@@ -122,13 +143,16 @@ SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body
                               scope     => %(scope)s,
                               lease     => %(lease)s::interval,
                               retention => %(retention)s::interval,
-                              wait      => %(wait)s::interval) AS c"""
+                              wait      => %(wait)s::interval{remember}) AS c"""
+
+#: The middleware's claim, by whether it names remember.
+HTTP_CLAIM_SQL = _remembering(_HTTP_CLAIM_SQL)
 
 # The envelope goes as text that PostgreSQL parses: a JSON body is stored as
 # the handler wrote it, and the first answer is PostgreSQL's text of it, the
 # same bytes every replay sends. When that text is not the handler's own
 # (``raw``), the handler's ETag named other bytes and is not stored.
-HTTP_FINISH_SQL = """
+_HTTP_FINISH_SQL = """
 SELECT f.expires_at, (e.body -> 'json')::text AS json_text
   FROM (SELECT CASE WHEN %(raw)s::text IS NOT NULL
                          AND (%(body)s::jsonb -> 'json')::text IS DISTINCT FROM %(raw)s::text
@@ -140,7 +164,11 @@ SELECT f.expires_at, (e.body -> 'json')::text AS json_text
                                response_body => e.body,
                                scope         => %(scope)s,
                                status        => %(status)s,
-                               retention     => %(retention)s::interval) AS f(expires_at)"""
+                               retention     => %(retention)s::interval{remember})
+       AS f(expires_at)"""
+
+#: The middleware's finish, by whether it names remember.
+HTTP_FINISH_SQL = _remembering(_HTTP_FINISH_SQL)
 
 
 def to_timedelta(value: Optional[Duration]) -> Optional[_dt.timedelta]:
@@ -155,6 +183,24 @@ def to_seconds(value: Duration) -> float:
     if isinstance(value, _dt.timedelta):
         return value.total_seconds()
     return float(value)
+
+
+def remember_option(value: Optional[Duration]) -> Optional[_dt.timedelta]:
+    """The ``remember`` option as the interval sent, None when not set (the
+    server's ``idempotency.remember`` applies); 0 turns it off for the key."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, _dt.timedelta)):
+        raise TypeError(f"remember must be seconds or a timedelta, not {type(value).__name__}")
+    if to_seconds(value) < 0:
+        raise ValueError(f"remember must be 0 or more seconds, got {value!r}")
+    return to_timedelta(value)
+
+
+def require_remember(info: "ServerInfo", remember: Optional[_dt.timedelta]) -> None:
+    """``remember`` needs extension 1.7; without it nothing does."""
+    if remember is not None:
+        require_version(info, REMEMBER_EXTENSION, " (remember)")
 
 
 def is_lost(err: BaseException) -> bool:
@@ -370,10 +416,10 @@ def released_before(err: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class ClaimRow:
-    outcome: str                      # claimed | replay | in_progress | mismatch
+    outcome: str                      # claimed | replay | in_progress | mismatch | expired
     token: Optional[int]
     attempt: Optional[int]
-    status: Optional[str]             # succeeded | failed (replay)
+    status: Optional[str]             # succeeded | failed (replay, expired)
     response_code: Optional[int]
     response_body: Any
     retry_after: Optional[int]
@@ -408,6 +454,23 @@ class MismatchError(IdempotencyError):
 
     def __init__(self, *, key: str, scope: str) -> None:
         super().__init__(f"key {key!r} was used with a different request", key=key, scope=scope)
+
+
+class ExpiredError(IdempotencyError):
+    """The key was used and its result has expired, but the server remembers
+    it (the ``remember`` option, or the server's ``idempotency.remember``): the
+    work ran and is not run again.
+
+    ``status``: the key's outcome, "succeeded" or "failed"; ``response_code``:
+    the stored HTTP status, None for a job's key.
+    """
+
+    def __init__(self, *, key: str, scope: str, status: str,
+                 response_code: Optional[int]) -> None:
+        super().__init__(f"key {key!r} was already used (it {status}); its stored result has "
+                         "expired, and the work is not run again", key=key, scope=scope)
+        self.status = status
+        self.response_code = response_code
 
 
 class StoredFailureError(IdempotencyError):

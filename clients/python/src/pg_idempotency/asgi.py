@@ -10,7 +10,8 @@ Per covered request (POST and PATCH by default): parse the header (or call
 the ``key`` option); read the body up to ``max_body_size``; claim ``(scope,
 key)`` with the request's fingerprint; ``replay``: send the stored response
 with ``Idempotent-Replayed: true``; ``in_progress``: 409 with a capped
-``Retry-After``; ``mismatch``: 422; ``claimed``: run the app with a heartbeat
+``Retry-After``; ``mismatch``: 422; ``expired`` (the key's response is gone
+but the server remembers it): 410; ``claimed``: run the app with a heartbeat
 (up to ``handler_timeout``), buffer its response, store it (or release the
 key) per the status policy, and only then send it with its own
 Content-Length, so the first client sees what every retry will see.
@@ -43,9 +44,9 @@ from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX
                     RELEASE_SQL, SERVER_INFO_SQL, UNAVAILABLE_SQLSTATES, ClaimRow, Duration,
                     KeyLostError, MisconfiguredError, ServerInfo, acall_with_retry, afetch_one, envelope_body,
                     http_envelope, is_envelope, is_json_media_type, is_lost, json_body_text,
-                    known_server_info, misconfiguration, released_before,
-                    remember_server_info, server_info, to_seconds, to_timedelta,
-                    too_large_envelope)
+                    known_server_info, misconfiguration, released_before, remember_option,
+                    remember_server_info, require_remember, server_info, to_seconds,
+                    to_timedelta, too_large_envelope)
 from .cache import CachedResult, ResultCache
 from .header import parse_idempotency_key
 from .hooks import Hook, Hooks
@@ -93,6 +94,8 @@ PROBLEMS: Dict[str, Dict[str, Any]] = {
     "idempotency-key-reused": {"status": 422, "title": "Idempotency-Key reused with a "
                                                        "different request"},
     "idempotency-key-lost": {"status": 409, "title": "Idempotency-Key lost to a newer attempt"},
+    "idempotency-key-expired": {"status": 410, "title": "Idempotency-Key already used; its "
+                                                        "stored response has expired"},
     "idempotency-request-too-large": {"status": 413, "title": "Request body too large"},
     "idempotency-misconfigured": {"status": 500, "title": "Idempotency middleware misconfigured"},
     "idempotency-unavailable": {"status": 503, "title": "Idempotency store briefly unavailable"},
@@ -229,14 +232,20 @@ class IdempotencyMiddleware:
     jsonb value instead of its bytes.
     ``lease`` (default 30 s): the claim's lease; a heartbeat renews it every
     lease/3 while the app runs. ``retention`` (default 24 h): how long results
-    are kept, announced in ``Idempotency-Key-Retention``.
+    are kept, announced in ``Idempotency-Key-Retention``. ``remember``
+    (default None: the server's ``idempotency.remember``, off unless set): how
+    long the server remembers a key after its retention (its status and
+    response code, not the body), so that a retry in that time gets 410
+    ``idempotency-key-expired`` instead of running the app again; 0: off
+    whatever the server's setting; needs extension 1.7 (500
+    ``idempotency-misconfigured`` naming it otherwise).
     ``store_headers``: response headers stored and replayed on top of
     ``DEFAULT_STORE_HEADERS``. ``store_policy(status)``: 'succeeded', 'failed'
     or 'release' (default ``default_store_policy``); ``store_server_errors``
     (default False) stores 5xx as failed under the default policy.
     ``retry_after_max`` (default 5 s): cap of ``Retry-After`` on a 409.
-    ``on_claim``, ``on_replay``, ``on_conflict``, ``on_mismatch``, ``on_error``:
-    hooks called with a ``HookEvent`` for each answer (see ``pg_idempotency.hooks``);
+    ``on_claim``, ``on_replay``, ``on_conflict``, ``on_mismatch``, ``on_expired``,
+    ``on_error``: hooks called with a ``HookEvent`` for each answer (see ``pg_idempotency.hooks``);
     one that raises is logged and changes no answer.
     ``wait`` (default 0): how long a duplicate that arrives while the original
     runs waits for the original's answer: it gets the stored response when
@@ -259,6 +268,7 @@ class IdempotencyMiddleware:
                  fingerprint: Optional[Callable[[IdempotencyRequest], Any]] = None,
                  canonical_json: bool = False,
                  lease: Duration = 30, retention: Duration = 86400,
+                 remember: Optional[Duration] = None,
                  store_headers: Collection[str] = (),
                  store_policy: Optional[StorePolicy] = None,
                  store_server_errors: bool = False,
@@ -271,7 +281,7 @@ class IdempotencyMiddleware:
                  logger: Optional[logging.Logger] = None,
                  on_claim: Optional[Hook] = None, on_replay: Optional[Hook] = None,
                  on_conflict: Optional[Hook] = None, on_mismatch: Optional[Hook] = None,
-                 on_error: Optional[Hook] = None) -> None:
+                 on_expired: Optional[Hook] = None, on_error: Optional[Hook] = None) -> None:
         self.app = app
         self.pool = pool
         self.methods = frozenset(m.upper() for m in methods)
@@ -285,6 +295,7 @@ class IdempotencyMiddleware:
         self.retention = to_timedelta(retention)
         # rounded half up, as JavaScript's Math.round, so both libraries announce the same
         self.retention_header = str(math.floor(to_seconds(retention) + 0.5))
+        self.remember = remember_option(remember)
         self.store_headers = (DEFAULT_STORE_HEADERS
                               | frozenset(h.lower() for h in store_headers)) - FRAMING_HEADERS
         self.store_policy = store_policy
@@ -300,7 +311,8 @@ class IdempotencyMiddleware:
         self.cache = ResultCache(cache) if isinstance(cache, int) else cache
         self.log = logger or log
         self.hooks = Hooks(self.log, on_claim=on_claim, on_replay=on_replay,
-                           on_conflict=on_conflict, on_mismatch=on_mismatch, on_error=on_error)
+                           on_conflict=on_conflict, on_mismatch=on_mismatch,
+                           on_expired=on_expired, on_error=on_error)
         # each cause of a misconfiguration is logged once, not once per request
         self._logged_causes: Set[str] = set()
 
@@ -366,12 +378,12 @@ class IdempotencyMiddleware:
                 return
 
         try:
-            await self._server_info()
+            require_remember(await self._server_info(), self.remember)
             async with self.pool.connection() as conn:
-                claim = await afetch_one(conn, HTTP_CLAIM_SQL, {
+                claim = await afetch_one(conn, HTTP_CLAIM_SQL[self.remember is not None], {
                     "key": key, "request": fp_text, "scope": idem_scope,
                     "lease": self.lease, "retention": self.retention,
-                    "wait": self.wait})
+                    "wait": self.wait, "remember": self.remember})
         except MisconfiguredError as e:
             self.hooks.emit("error", key, idem_scope, request=req, error=e)
             await self._misconfigured(send, str(e))
@@ -410,7 +422,13 @@ class IdempotencyMiddleware:
             await self._problem(send, "idempotency-key-reused",
                                 "This Idempotency-Key was used with a different request "
                                 "(method, path or body).")
+        elif row.outcome == "expired":
+            self.hooks.emit("expired", key, idem_scope, request=req, status=row.status,
+                            response_code=row.response_code)
+            await self._expired(send, row)
         else:
+            if row.outcome != "claimed":
+                raise RuntimeError(f"unexpected claim outcome {row.outcome!r}")
             assert row.token is not None
             attempt = IdempotencyAttempt(key=key, scope=idem_scope, token=str(row.token),
                                          attempt=int(row.attempt or 1))
@@ -717,9 +735,9 @@ class IdempotencyMiddleware:
 
     async def _finish(self, ids: Dict[str, Any], status: int, envelope: str,
                       json_text: Optional[str], decision: str) -> Optional[Tuple[Any, ...]]:
-        return await self._token_call(HTTP_FINISH_SQL, dict(
+        return await self._token_call(HTTP_FINISH_SQL[self.remember is not None], dict(
             ids, code=status, body=envelope, raw=json_text, status=decision,
-            retention=self.retention))
+            retention=self.retention, remember=self.remember))
 
     async def _token_call(self, sql: str, params: Mapping[str, Any]) -> Optional[Tuple[Any, ...]]:
         """A token statement on a pool connection, tried again after a transient failure."""
@@ -794,6 +812,18 @@ class IdempotencyMiddleware:
                            "fixed): %s", detail)
         await self._problem(send, "idempotency-misconfigured", detail)
 
+    async def _expired(self, send: Send, row: ClaimRow) -> None:
+        """A remembered key: its request was processed, with the outcome and
+        status in the members, and its response is gone. 410: repeating the
+        request cannot bring the response back, and it is not run again."""
+        code = row.response_code
+        await self._problem(send, "idempotency-key-expired",
+                            "A request with this Idempotency-Key was already processed (it "
+                            f"{row.status}{'' if code is None else f', with status {code}'}); "
+                            "its stored response has expired and the request is not run "
+                            "again. Use a new key for a new operation.",
+                            members={"key_status": row.status, "response_code": code})
+
     async def _replay(self, send: Send, code: Optional[int], stored: Any,
                       body_text: Optional[str] = None) -> None:
         headers, body = envelope_body(stored, body_text)
@@ -806,11 +836,14 @@ class IdempotencyMiddleware:
         await self._send(send, code or 200, raw, body, content_length=True)
 
     async def _problem(self, send: Send, slug: str, detail: str,
-                       headers: Optional[List[Tuple[bytes, bytes]]] = None) -> None:
+                       headers: Optional[List[Tuple[bytes, bytes]]] = None,
+                       members: Optional[Dict[str, Any]] = None) -> None:
+        """An RFC 9457 problem; ``members``: its extension members, after the
+        standard ones."""
         status: int = PROBLEMS[slug]["status"]
         body = json.dumps({"type": self.problem_type_base + slug,
                            "title": PROBLEMS[slug]["title"],
-                           "status": status, "detail": detail}).encode()
+                           "status": status, "detail": detail, **(members or {})}).encode()
         raw = [(b"content-type", b"application/problem+json")] + (headers or [])
         raw.append(self._retention_header())
         await self._send(send, status, raw, body, content_length=True)

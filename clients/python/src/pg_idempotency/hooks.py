@@ -1,5 +1,5 @@
 """The application's hooks: ``on_claim``, ``on_replay``, ``on_conflict``,
-``on_mismatch`` and ``on_error``, called with a ``HookEvent`` for each answer
+``on_mismatch``, ``on_expired`` and ``on_error``, called with a ``HookEvent`` for each answer
 the middleware or a job gives (metrics, logs, traces).
 
 A hook observes and never decides: one that raises is logged and the answer
@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ["HookEvent", "Hook", "Hooks"]
 
-NAMES = ("claim", "replay", "conflict", "mismatch", "error")
+NAMES = ("claim", "replay", "conflict", "mismatch", "expired", "error")
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,9 @@ class HookEvent:
     """What a hook is told. ``request``: the ``IdempotencyRequest`` (HTTP) or
     the job's request payload. ``token`` and ``attempt`` where there is an
     attempt; ``status`` on a replay (the HTTP status, or "succeeded"/"failed"
-    for a job); ``retry_after`` on a conflict; ``error`` on an error."""
+    for a job); on an expired key ``status`` ("succeeded"/"failed") and
+    ``response_code`` (the stored HTTP status, None for a job's key);
+    ``retry_after`` on a conflict; ``error`` on an error."""
     kind: str
     key: str
     scope: str
@@ -37,13 +39,14 @@ class HookEvent:
     cached: bool = False
     retry_after: Optional[int] = None
     error: Optional[BaseException] = None
+    response_code: Optional[int] = None
 
 
 Hook = Callable[[HookEvent], Any]
 
 
 class Hooks:
-    """The five hooks of one middleware or job, checked when it is built."""
+    """The hooks of one middleware or job, checked when it is built."""
 
     def __init__(self, logger: logging.Logger, **hooks: Optional[Hook]) -> None:
         self._log = logger

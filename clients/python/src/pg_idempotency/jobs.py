@@ -14,7 +14,8 @@ releases the key (the next delivery runs again) when ``retryable(exc)`` says so
 propagates. ``replay`` of a success: the block runs with ``job.replayed`` true
 and ``job.value`` the stored value. ``replay`` of a failure raises
 ``StoredFailureError``, ``in_progress`` ``InProgressError``, ``mismatch``
-``MismatchError``, all before the block runs.
+``MismatchError``, ``expired`` (a key whose result is gone but which the
+server remembers: the work ran) ``ExpiredError``, all before the block runs.
 
 Two modes, chosen by the connection handed in:
 
@@ -57,13 +58,14 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ._core import (CHECKPOINT_EXTENSION, CHECKPOINT_SQL, CLAIM_SQL, EXTEND_SQL, FINISH_SQL,
-                    MIN_EXTENSION, RELEASE_SQL, SERVER_INFO_SQL, SESSION_BOUND_CLAIM_SQL,
-                    ClaimRow, Duration, InProgressError, KeyLostError, MismatchError,
+from ._core import (CHECKPOINT_EXTENSION, CHECKPOINT_SQL, EXTEND_SQL, FINISH_SQL,
+                    MIN_EXTENSION, RELEASE_SQL, REMEMBER_EXTENSION, SERVER_INFO_SQL, ClaimRow,
+                    Duration, ExpiredError, InProgressError, KeyLostError, MismatchError,
                     ServerInfo, StoredFailureError, acall_with_retry, afetch_one,
-                    call_with_retry, envelope_error, envelope_value, error_envelope, is_lost,
-                    known_server_info, released_before, remember_server_info,
-                    require_version, server_info, to_seconds, to_timedelta, value_envelope)
+                    call_with_retry, claim_sql, envelope_error, envelope_value, error_envelope,
+                    is_lost, known_server_info, released_before, remember_option,
+                    remember_server_info, require_version, server_info, to_seconds,
+                    to_timedelta, value_envelope)
 
 __all__ = ["Job", "AsyncJob", "Idempotent", "AsyncIdempotent", "idempotent",
            "idempotent_job", "current_job", "Retryable"]
@@ -99,18 +101,24 @@ def _retryable_predicate(retryable: Optional[Retryable]) -> Callable[[BaseExcept
     return retryable
 
 
-def _claim_params(key: str, request: Any, scope: str, lease: Duration,
-                  retention: Optional[Duration], wait: Duration) -> dict[str, Any]:
-    return {"key": key, "request": None if request is None else Jsonb(request),
-            "scope": scope, "lease": to_timedelta(lease), "retention": to_timedelta(retention),
-            "wait": to_timedelta(wait)}
-
-
 def _claim_statement(owner: "Union[Idempotent, AsyncIdempotent]") -> Tuple[str, dict[str, Any]]:
     """The claim an ``idempotent()`` block makes: its SQL and parameters."""
-    return (SESSION_BOUND_CLAIM_SQL if owner._session_bound else CLAIM_SQL,
-            _claim_params(owner.key, owner._request, owner.scope, owner._lease,
-                          owner._retention, owner._wait))
+    request = owner._request
+    return (claim_sql(owner._session_bound, owner._remember is not None),
+            {"key": owner.key, "request": None if request is None else Jsonb(request),
+             "scope": owner.scope, "lease": to_timedelta(owner._lease),
+             "retention": to_timedelta(owner._retention), "wait": to_timedelta(owner._wait),
+             "remember": owner._remember})
+
+
+def _finish_statement(owner: "Union[Idempotent, AsyncIdempotent]", token: Optional[int],
+                      envelope: Any, status: str) -> Tuple[str, dict[str, Any]]:
+    """The finish that stores ``envelope`` as the key's result: its SQL and
+    parameters."""
+    return (FINISH_SQL[owner._remember is not None],
+            {"key": owner.key, "token": token, "code": None, "body": Jsonb(envelope),
+             "scope": owner.scope, "status": status,
+             "retention": to_timedelta(owner._retention), "remember": owner._remember})
 
 
 def _report_error(owner: "Union[Idempotent, AsyncIdempotent]", error: BaseException,
@@ -296,9 +304,11 @@ def _still_open(conn: Union["psycopg.Connection[Any]", "psycopg.AsyncConnection[
             and conn.info.transaction_status != TransactionStatus.IDLE)
 
 
-def _needs(session_bound: bool) -> Tuple[Tuple[int, ...], str]:
+def _needs(owner: "Union[Idempotent, AsyncIdempotent]") -> Tuple[Tuple[int, ...], str]:
     """The extension version a claim needs, and what needs it."""
-    if session_bound:
+    if owner._remember is not None:
+        return REMEMBER_EXTENSION, " (remember)"
+    if owner._session_bound:
         return CHECKPOINT_EXTENSION, " (session_bound=True)"
     return MIN_EXTENSION, ""
 
@@ -314,6 +324,9 @@ def _announce(hooks: Hooks, row: ClaimRow, key: str, scope: str, request: Any) -
         hooks.emit("conflict", key, scope, request=request, retry_after=int(row.retry_after or 1))
     elif row.outcome == "mismatch":
         hooks.emit("mismatch", key, scope, request=request)
+    elif row.outcome == "expired":
+        hooks.emit("expired", key, scope, request=request, status=row.status,
+                   response_code=row.response_code)
 
 
 def _claim_outcome(row: ClaimRow, key: str, scope: str) -> None:
@@ -322,6 +335,9 @@ def _claim_outcome(row: ClaimRow, key: str, scope: str) -> None:
         raise InProgressError(key=key, scope=scope, retry_after=int(row.retry_after or 1))
     if row.outcome == "mismatch":
         raise MismatchError(key=key, scope=scope)
+    if row.outcome == "expired":
+        raise ExpiredError(key=key, scope=scope, status=str(row.status),
+                           response_code=row.response_code)
     if row.outcome == "replay" and row.status == "failed":
         name, message = envelope_error(row.response_body)
         raise StoredFailureError(key=key, scope=scope, name=name, message=message,
@@ -478,7 +494,8 @@ class Idempotent:
     def __init__(self, db: SyncDB, key: str, *, request: Any = None, scope: str = "",
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                  wait: Duration = 0, retryable: Optional[Retryable] = None,
-                 session_bound: bool = False, hooks: Optional[Hooks] = None) -> None:
+                 session_bound: bool = False, remember: Optional[Duration] = None,
+                 hooks: Optional[Hooks] = None) -> None:
         self._runner = _SyncRunner(db)
         self.key = key
         self.scope = scope
@@ -488,6 +505,7 @@ class Idempotent:
         self._wait = wait
         self._retryable = _retryable_predicate(retryable)
         self._session_bound = bool(session_bound)
+        self._remember = remember_option(remember)
         self._hooks = hooks if hooks is not None else Hooks(log)
         self._job: Optional[Job] = None
         self._heartbeat: Optional[_SyncHeartbeat] = None
@@ -503,7 +521,7 @@ class Idempotent:
     def __enter__(self) -> Job:
         tx_mode = self._runner.in_transaction()
         try:
-            self._runner.info(*_needs(self._session_bound))
+            self._runner.info(*_needs(self))
             row = ClaimRow(*self._runner.claim(*_claim_statement(self),
                                                    hold=self._session_bound))
         except Exception as e:
@@ -589,10 +607,8 @@ class Idempotent:
         job = self._job
         assert job is not None
         try:
-            self._runner.token_call(FINISH_SQL, {
-                "key": self.key, "token": job._token, "code": None, "body": Jsonb(envelope),
-                "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
-                conn=conn)
+            self._runner.token_call(*_finish_statement(self, job._token, envelope, status),
+                                    conn=conn)
         except psycopg.Error as e:
             if is_lost(e):
                 raise KeyLostError(key=self.key, scope=self.scope, sqlstate=e.sqlstate) from e
@@ -766,7 +782,8 @@ class AsyncIdempotent:
     def __init__(self, db: AsyncDB, key: str, *, request: Any = None, scope: str = "",
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                  wait: Duration = 0, retryable: Optional[Retryable] = None,
-                 session_bound: bool = False, hooks: Optional[Hooks] = None) -> None:
+                 session_bound: bool = False, remember: Optional[Duration] = None,
+                 hooks: Optional[Hooks] = None) -> None:
         self._runner = _AsyncRunner(db)
         self.key = key
         self.scope = scope
@@ -776,6 +793,7 @@ class AsyncIdempotent:
         self._wait = wait
         self._retryable = _retryable_predicate(retryable)
         self._session_bound = bool(session_bound)
+        self._remember = remember_option(remember)
         self._hooks = hooks if hooks is not None else Hooks(log)
         self._job: Optional[AsyncJob] = None
         self._heartbeat: Optional[_AsyncHeartbeat] = None
@@ -789,7 +807,7 @@ class AsyncIdempotent:
         self._beat_lock = asyncio.Lock()
         tx_mode = self._runner.in_transaction()
         try:
-            await self._runner.info(*_needs(self._session_bound))
+            await self._runner.info(*_needs(self))
             row = ClaimRow(*await self._runner.claim(*_claim_statement(self),
                                                    hold=self._session_bound))
         except Exception as e:
@@ -874,10 +892,8 @@ class AsyncIdempotent:
         job = self._job
         assert job is not None
         try:
-            await self._runner.token_call(FINISH_SQL, {
-                "key": self.key, "token": job._token, "code": None, "body": Jsonb(envelope),
-                "scope": self.scope, "status": status, "retention": to_timedelta(self._retention)},
-                conn=conn)
+            await self._runner.token_call(*_finish_statement(self, job._token, envelope, status),
+                                          conn=conn)
         except psycopg.Error as e:
             if is_lost(e):
                 raise KeyLostError(key=self.key, scope=self.scope, sqlstate=e.sqlstate) from e
@@ -920,26 +936,29 @@ class AsyncIdempotent:
 def idempotent(db: SyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
                wait: Duration = ..., retryable: Optional[Retryable] = ...,
-               session_bound: bool = ..., on_claim: Optional[Hook] = ...,
-               on_replay: Optional[Hook] = ..., on_conflict: Optional[Hook] = ...,
-               on_mismatch: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> Idempotent: ...
+               session_bound: bool = ..., remember: Optional[Duration] = ...,
+               on_claim: Optional[Hook] = ..., on_replay: Optional[Hook] = ...,
+               on_conflict: Optional[Hook] = ..., on_mismatch: Optional[Hook] = ...,
+               on_expired: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> Idempotent: ...
 
 
 @overload
 def idempotent(db: AsyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
                wait: Duration = ..., retryable: Optional[Retryable] = ...,
-               session_bound: bool = ..., on_claim: Optional[Hook] = ...,
-               on_replay: Optional[Hook] = ..., on_conflict: Optional[Hook] = ...,
-               on_mismatch: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> AsyncIdempotent: ...
+               session_bound: bool = ..., remember: Optional[Duration] = ...,
+               on_claim: Optional[Hook] = ..., on_replay: Optional[Hook] = ...,
+               on_conflict: Optional[Hook] = ..., on_mismatch: Optional[Hook] = ...,
+               on_expired: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> AsyncIdempotent: ...
 
 
 def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, scope: str = "",
                lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                wait: Duration = 0, retryable: Optional[Retryable] = None,
-               session_bound: bool = False, on_claim: Optional[Hook] = None,
-               on_replay: Optional[Hook] = None, on_conflict: Optional[Hook] = None,
-               on_mismatch: Optional[Hook] = None,
+               session_bound: bool = False, remember: Optional[Duration] = None,
+               on_claim: Optional[Hook] = None, on_replay: Optional[Hook] = None,
+               on_conflict: Optional[Hook] = None, on_mismatch: Optional[Hook] = None,
+               on_expired: Optional[Hook] = None,
                on_error: Optional[Hook] = None) -> Union[Idempotent, AsyncIdempotent]:
     """Run a block at most once per ``(scope, key)``: ``with`` for a sync
     connection or pool, ``async with`` for an async one.
@@ -954,17 +973,22 @@ def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, sco
     ``session_bound``: tie the claim to the server session that makes it (a
     pool connection held for the whole attempt, with a pool), so that the key
     is free at once if that session ends; meaningless behind a transaction
-    pooler such as PgBouncer in transaction mode. ``on_claim``, ``on_replay``,
-    ``on_conflict``, ``on_mismatch``, ``on_error``: hooks called with a
-    ``HookEvent`` for each outcome (``on_error``: the store's failures and a
-    lost key, not the block's own exceptions); one that raises is logged and
-    changes nothing.
+    pooler such as PgBouncer in transaction mode. ``remember``: how long the
+    server remembers the key after its retention (its status, not its value),
+    so that a block entered in that time raises ``ExpiredError`` instead of
+    running again; None: the server's ``idempotency.remember`` (default off);
+    0: off whatever the server's setting; needs extension 1.7
+    (``MisconfiguredError`` before the claim otherwise). ``on_claim``,
+    ``on_replay``, ``on_conflict``, ``on_mismatch``, ``on_expired``,
+    ``on_error``: hooks called with a ``HookEvent`` for each outcome
+    (``on_error``: the store's failures and a lost key, not the block's own
+    exceptions); one that raises is logged and changes nothing.
     """
     hooks = Hooks(log, on_claim=on_claim, on_replay=on_replay, on_conflict=on_conflict,
-                  on_mismatch=on_mismatch, on_error=on_error)
+                  on_mismatch=on_mismatch, on_expired=on_expired, on_error=on_error)
     kw: dict[str, Any] = dict(request=request, scope=scope, lease=lease, retention=retention,
                               wait=wait, retryable=retryable, session_bound=session_bound,
-                              hooks=hooks)
+                              remember=remember, hooks=hooks)
     if isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
         return AsyncIdempotent(db, key, **kw)
     if isinstance(db, (psycopg.Connection, ConnectionPool)):
@@ -980,9 +1004,10 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                    scope: Union[None, str, Callable[..., str]] = None,
                    lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                    wait: Duration = 0, retryable: Optional[Retryable] = None,
-                   session_bound: bool = False, on_claim: Optional[Hook] = None,
-                   on_replay: Optional[Hook] = None, on_conflict: Optional[Hook] = None,
-                   on_mismatch: Optional[Hook] = None,
+                   session_bound: bool = False, remember: Optional[Duration] = None,
+                   on_claim: Optional[Hook] = None, on_replay: Optional[Hook] = None,
+                   on_conflict: Optional[Hook] = None, on_mismatch: Optional[Hook] = None,
+                   on_expired: Optional[Hook] = None,
                    on_error: Optional[Hook] = None) -> Callable[[F], F]:
     """Decorator form: ``key``, ``request`` and ``scope`` are computed from the
     call's arguments. The function runs at most once per key; a replay returns
@@ -994,9 +1019,10 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
     ``scope`` defaults to the function's qualified name
     (``f"{fn.__module__}.{fn.__qualname__}"``), so that two jobs fed the same
     ids never share a key; ``scope=""`` is the one scope of versions before 0.3.
-    The hooks are ``idempotent()``'s."""
+    ``remember`` and the hooks are ``idempotent()``'s."""
     hooks = Hooks(log, on_claim=on_claim, on_replay=on_replay, on_conflict=on_conflict,
-                  on_mismatch=on_mismatch, on_error=on_error)
+                  on_mismatch=on_mismatch, on_expired=on_expired, on_error=on_error)
+    remember_option(remember)      # a bad value fails at decoration, not at the first call
 
     def decorate(fn: F) -> F:
         default_scope = f"{fn.__module__}.{fn.__qualname__}"
@@ -1006,7 +1032,7 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                         scope=(default_scope if scope is None
                                else scope(*args, **kwargs) if callable(scope) else scope),
                         lease=lease, retention=retention, wait=wait, retryable=retryable,
-                        session_bound=session_bound, hooks=hooks)
+                        session_bound=session_bound, remember=remember, hooks=hooks)
 
         if inspect.iscoroutinefunction(fn):
             if not isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
