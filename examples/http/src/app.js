@@ -5,7 +5,10 @@
  *   POST /payments  external-call mode: charges a card at a payment processor
  *                   (the mock in downstream.js) over HTTP.  The key and the
  *                   fencing token travel to the processor, which dedupes by key
- *                   and refuses a token smaller than one it has seen.
+ *                   and refuses a token smaller than one it has seen.  Its keys
+ *                   are remembered past their retention: a retry that comes
+ *                   after the stored response is gone gets a 410, never a
+ *                   second charge.
  *   POST /orders    in-transaction mode: the order row is written in the same
  *                   transaction as the claim and the finish.
  *   POST /checkout  two steps, resumable: charge at the processor, then ship
@@ -115,22 +118,24 @@ function validateOrder(req, res, next) {
 }
 
 /*
- * createApp({ pool, downstreamUrl, lease, retention, faults, pause })
+ * createApp({ pool, downstreamUrl, lease, retention, remember, faults, pause })
  *   lease, retention: seconds (the middleware's options)
+ *   remember: seconds the keys of POST /payments are remembered after their
+ *             retention (null: not sent; needs extension 1.7 when set)
  *   faults: honour the X-Simulate-Failure request header (for the tests only)
  *   pause(point, key): what X-Simulate-Failure: pause-after-charge waits for
  */
-function createApp({ pool, downstreamUrl, lease, retention, faults = false, log, pause }) {
+function createApp({ pool, downstreamUrl, lease, retention, remember = null, faults = false, log, pause }) {
 	const app = express();
 	app.disable('x-powered-by');
 	/* the fingerprint hashes the raw body bytes: keep them */
 	app.use(express.json({ verify: rawBody }));
 
 	/* one counter per outcome, fed by the middleware's hooks */
-	const answers = { claim: 0, replay: 0, conflict: 0, mismatch: 0, error: 0 };
+	const answers = { claim: 0, replay: 0, conflict: 0, mismatch: 0, expired: 0, error: 0 };
 	const count = (outcome) => () => { answers[outcome] += 1; };
 
-	const idem = expressIdempotency({
+	const options = {
 		pool,
 		lease,
 		retention,
@@ -139,11 +144,15 @@ function createApp({ pool, downstreamUrl, lease, retention, faults = false, log,
 		onReplay: count('replay'),
 		onConflict: count('conflict'),
 		onMismatch: count('mismatch'),
+		onExpired: count('expired'),
 		onError: count('error'),
 		/* tenants: the same key from two clients names two operations */
 		scope: (req) => req.get('X-Client-Id') ?? '',
 		problemTypeBase: PROBLEMS,
-	});
+	};
+	const idem = expressIdempotency(options);
+	/* a charge is never run twice, however late the retry: its keys are remembered */
+	const charges = expressIdempotency({ ...options, remember });
 
 	app.get('/healthz', (req, res) => res.json({ ok: true }));
 
@@ -160,7 +169,7 @@ function createApp({ pool, downstreamUrl, lease, retention, faults = false, log,
 	 * A 5xx answer releases the key (the retry charges again, deduped by the
 	 * processor); a 4xx answer is stored as failed and replayed.
 	 */
-	app.post('/payments', validatePayment, idem, async (req, res) => {
+	app.post('/payments', validatePayment, charges, async (req, res) => {
 		const { key, scope, token } = req.idempotency;
 		const result = await chargeAtProcessor(downstreamUrl, processorKey(scope, key), token, req.body);
 		if (sentProcessorProblem(res, result))

@@ -6,7 +6,9 @@
  *
  * Settings (environment): PORT (default 3000; 0 picks a free port),
  * DOWNSTREAM_URL, IDEM_LEASE (seconds, default 30), IDEM_RETENTION (seconds,
- * default 86400), POOL_SIZE (default 10),
+ * default 86400), IDEM_REMEMBER (seconds a payment's key is remembered after
+ * its retention, default 2592000 = 30 days; needs the extension at 1.7 or
+ * later; empty: the server's idempotency.remember), POOL_SIZE (default 10),
  * EXAMPLE_FAULTS=1 (honour X-Simulate-Failure; tests only: a checkout paused
  * after its charge prints "PAUSED charged <key>" and goes on at the next line
  * on stdin), EXIT_WITH_STDIN=1 (exit when stdin closes: the test harness's way
@@ -40,6 +42,7 @@ const app = createApp({
 	downstreamUrl: process.env.DOWNSTREAM_URL ?? 'http://127.0.0.1:4000',
 	lease: Number(process.env.IDEM_LEASE ?? 30),
 	retention: Number(process.env.IDEM_RETENTION ?? 86400),
+	remember: process.env.IDEM_REMEMBER === '' ? null : Number(process.env.IDEM_REMEMBER ?? 2592000),
 	faults,
 	pause,
 });

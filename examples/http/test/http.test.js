@@ -223,16 +223,50 @@ async function metrics() {
 	return counts;
 }
 
-test('GET /metrics counts the answers through the hooks: a claim, a replay, a mismatch', async () => {
+/*
+ * Move a key past its retention, as if its 24 hours had passed (the test's
+ * superuser connection): what a retry gets then, without waiting.
+ */
+async function age(key, scope = '') {
+	const { rowCount } = await db.query(
+		`UPDATE idempotency.keys SET expires_at = now() - interval '1 second',
+		        sweep_at = now() - interval '1 second'
+		  WHERE scope = $1 AND key = $2 AND status <> 'pending'`, [scope, key]);
+	assert.equal(rowCount, 1);
+}
+
+test('GET /metrics counts the answers through the hooks: a claim, a replay, a mismatch, an expired key', async () => {
 	const before = await metrics();
-	assert.deepEqual(Object.keys(before).sort(), ['claim', 'conflict', 'error', 'mismatch', 'replay']);
+	assert.deepEqual(Object.keys(before).sort(), ['claim', 'conflict', 'error', 'expired', 'mismatch', 'replay']);
 	const key = newKey();
 	assert.equal((await pay(key)).status, 201);
 	assert.equal((await pay(key)).status, 201);
 	assert.equal((await pay(key, { amount: 1, currency: 'EUR' })).status, 422);
+	await age(key);
+	assert.equal((await pay(key)).status, 410);
 	const after = await metrics();
 	const delta = Object.fromEntries(Object.keys(after).map((o) => [o, after[o] - before[o]]));
-	assert.deepEqual(delta, { claim: 1, replay: 1, conflict: 0, mismatch: 1, error: 0 });
+	assert.deepEqual(delta, { claim: 1, replay: 1, conflict: 0, mismatch: 1, expired: 1, error: 0 });
+});
+
+test('a payment retried after its retention is not charged again: 410 with the first outcome', async () => {
+	const key = newKey();
+	const first = await pay(key);
+	assert.equal(first.status, 201, first.text);
+	assert.notEqual((await lookup(key)).remembered_until, null, 'remembered for 30 days');
+	await age(key);
+	const late = await pay(key);
+	const p = assertProblem(late, 410, 'idempotency-key-expired');
+	assert.equal(p.key_status, 'succeeded');
+	assert.equal(p.response_code, 201);
+	assert.deepEqual(downstream.requests.filter((r) => r.key === downstream.keyFor(key)).map((r) => r.outcome),
+		['charged'], 'the processor was asked once');
+	/* the other endpoints keep no such record: past its retention an order runs again */
+	const o = newKey();
+	assert.equal((await order(o, { item: 'pen', quantity: 1 })).status, 201);
+	await age(o);
+	assert.equal((await order(o, { item: 'pen', quantity: 1 })).status, 201);
+	assert.equal((await ordersFor(o)).length, 2);
 });
 
 describe('in-transaction mode (POST /orders)', () => {
