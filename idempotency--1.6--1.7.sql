@@ -14,7 +14,9 @@
  * every stored row, which is what a key that is not remembered has, so
  * adding it rewrites nothing and every key keeps behaving as in 1.6.
  */
-ALTER TABLE idempotency.keys ADD COLUMN remember interval;
+-- IF NOT EXISTS: where Citus distributes the table, the coordinator's update
+-- adds the column on every node before Citus runs this script there
+ALTER TABLE idempotency.keys ADD COLUMN IF NOT EXISTS remember interval;
 
 /*
  * A function's arguments and result columns cannot be changed in place:
@@ -299,42 +301,12 @@ AS 'MODULE_PATHNAME', 'idem_forget'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 REVOKE ALL ON FUNCTION idempotency.idem_forget(text, text) FROM PUBLIC;
 
+
 /*
- * Where Citus distributes idempotency.keys, distribute() made Citus
- * delegate every function that takes a scope to the node holding the
- * scope's shard: the functions created again above, and idem_forget, are
- * delegated the same way (on the coordinator, which keeps that metadata).
- * The statements that name Citus's objects run through EXECUTE, since
- * they do not exist without Citus.
+ * Where Citus distributes idempotency.keys, the functions created anew
+ * above and idem_forget are not delegated by scope yet: Citus passes this
+ * update on to the workers only after it ran here, and a function can be
+ * distributed only once every node has it.  Running distribute() again on
+ * the coordinator, once every node is updated, delegates them as it did
+ * the old ones (docs/scale-out.md, updating).
  */
-DO $do$
-DECLARE
-	distributed boolean;
-	fn regprocedure;
-BEGIN
-	IF NOT EXISTS (SELECT FROM pg_catalog.pg_extension e
-				   WHERE e.extname OPERATOR(pg_catalog.=) 'citus') THEN
-		RETURN;
-	END IF;
-	EXECUTE 'SELECT pg_catalog.citus_is_coordinator()
-			   AND EXISTS (SELECT FROM pg_catalog.pg_dist_partition p
-						   WHERE p.logicalrelid OPERATOR(pg_catalog.=) ''idempotency.keys''::pg_catalog.regclass)'
-		INTO distributed;
-	IF NOT distributed THEN
-		RETURN;
-	END IF;
-	FOREACH fn IN ARRAY ARRAY[
-		'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval)',
-		'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval,interval)',
-		'idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval,interval)',
-		'idempotency.idem_lookup(text,text)',
-		'idempotency.idem_forget(text,text)']::pg_catalog.regprocedure[]
-	LOOP
-		EXECUTE 'SELECT pg_catalog.create_distributed_function($1,
-					distribution_arg_name => ''scope'',
-					colocate_with => ''idempotency.keys'',
-					force_delegation => true)'
-			USING fn;
-	END LOOP;
-END
-$do$;

@@ -43,6 +43,10 @@ CREATE TABLE bench.orders (
  * with pending, live-lease pending) keys named '1'..'n' in scope, through
  * INSERT ... SELECT, not through the API.  Keys are 36 characters like a
  * UUID when wide is true (row 12's size per key), else the decimal number.
+ * Row 25's kinds need the remember column (1.7): remembered, the compact
+ * record a sweep leaves of a finished key past its retention (remembered
+ * for 30 days); remember_due, a finished key whose retention just passed,
+ * which the next sweep compacts.
  */
 CREATE FUNCTION bench.fill(tbl regclass, p_scope text, n bigint,
 						   kind text DEFAULT 'finished', wide boolean DEFAULT false,
@@ -50,26 +54,33 @@ CREATE FUNCTION bench.fill(tbl regclass, p_scope text, n bigint,
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
 	c bigint;
+	remembered CONSTANT boolean := kind IN ('remembered', 'remember_due');
 BEGIN
 	EXECUTE format($f$
 		INSERT INTO %s (scope, key, status, token, attempt, fingerprint,
 						response_code, response_body, created_at, finished_at,
-						lease_until, expires_at, retention, sweep_at)
+						lease_until, expires_at, retention, sweep_at%s)
 		SELECT $1, CASE WHEN $4 THEN gen_random_uuid()::text ELSE i::text END,
 			   CASE $3 WHEN 'pending' THEN 'pending' ELSE 'succeeded' END,
 			   i, 1,
 			   sha256(convert_to('{"amount": 100}'::jsonb::text, 'UTF8')),
 			   CASE $3 WHEN 'pending' THEN NULL ELSE 200 END,
-			   CASE $3 WHEN 'pending' THEN NULL ELSE '{"id": 1, "ok": true}'::jsonb END,
+			   CASE WHEN $3 IN ('pending', 'remembered') THEN NULL
+					ELSE '{"id": 1, "ok": true}'::jsonb END,
 			   now() - interval '1 hour',
 			   CASE $3 WHEN 'pending' THEN NULL ELSE now() - interval '1 hour' END,
 			   CASE $3 WHEN 'pending' THEN now() + interval '1 day' END,
-			   CASE $3 WHEN 'expired' THEN now() - interval '1 minute'
-					   ELSE now() + interval '1 day' END,
+			   CASE WHEN $3 IN ('expired', 'remembered', 'remember_due')
+					THEN now() - interval '1 minute'
+					ELSE now() + interval '1 day' END,
 			   interval '1 day',
-			   CASE $3 WHEN 'expired' THEN now() - interval '1 minute'
-					   ELSE now() + interval '1 day' END
-		  FROM generate_series($5, $5 + $2 - 1) AS i$f$, tbl)
+			   CASE $3 WHEN 'remembered' THEN now() - interval '1 minute' + interval '30 days'
+					   WHEN 'expired' THEN now() - interval '1 minute'
+					   WHEN 'remember_due' THEN now() - interval '1 minute'
+					   ELSE now() + interval '1 day' END%s
+		  FROM generate_series($5, $5 + $2 - 1) AS i$f$, tbl,
+		  CASE WHEN remembered THEN ', remember' ELSE '' END,
+		  CASE WHEN remembered THEN ', interval ''30 days''' ELSE '' END)
 	USING p_scope, n, kind, wide, first;
 	GET DIAGNOSTICS c = ROW_COUNT;
 	RETURN c;
