@@ -631,6 +631,49 @@ if "r24" in runs:
                   ", ".join("%s %.0f%%" % (e.split("=")[0], 100.0 * int(e.split("=")[1]) / tot) for e in f[2:10])))
     w("")
 
+# row 25
+if "r25_bytes" in extra or "r25r" in runs:
+    w("## Row 25: remembered keys")
+    w("")
+    if "r25_bytes" in extra:
+        tot, heap, idx, n = (int(x) for x in extra["r25_bytes"].split())
+        line = ("Table + index bytes per remembered key (the compact record a sweep leaves: a clean copy "
+                "of the table shape holding %d of them with 36-character keys, after VACUUM): **%.0f bytes** "
+                "(heap %.0f, indexes %.0f)" % (n, tot / n, heap / n, idx / n))
+        if "r25_bytes_finished" in extra:
+            ftot, fheap, fidx, fn = (int(x) for x in extra["r25_bytes_finished"].split())
+            line += "; the same number of finished keys with their (small) response bodies: %.0f bytes" % (ftot / fn)
+        w(line + ".")
+        w("")
+    sweeps = {}
+    for k, v in extra.items():
+        m = re.match(r"r25_sweep\.(compact|delete)\.(\d+)$", k)
+        if m:
+            secs, swept, n = v.split()
+            sweeps.setdefault(m.group(1), []).append((float(secs), int(swept), int(n)))
+    if sweeps:
+        w("The sweep (`idem_sweep` batches of `idempotency.sweep_batch`, each committed, until none is due), "
+          "on keys whose retention has just passed, %s rounds alternating the order: " % len(sweeps.get("compact", [])) +
+          "; ".join("%s %s keys: median %.2f s, **%.1f µs per key**" % (
+              {"compact": "compacting (remembered)", "delete": "deleting (not remembered)"}[v],
+              sweeps[v][0][2], statistics.median(x[0] for x in sweeps[v]),
+              1e6 * statistics.median(x[0] / x[2] for x in sweeps[v]))
+              for v in ("compact", "delete") if v in sweeps) + ".")
+        w("")
+    if "r25r" in runs:
+        nrem = (extra.get("r25_n_remembered", "? ?").split() + ["?"])[0]
+        w("Row 1 (claim + finish, autocommit) with its new keys landing among %s remembered keys of the same "
+          "scope, against the same script on an empty table (emptied after every run), %s interleaved rounds:" % (
+              nrem, len(ratios_list("r25r", "r25e"))))
+        w("")
+        w("| table | ops/s | mean ms | p99 ms |")
+        w("|---|---:|---:|---:|")
+        for lb, name in (("r25e", "empty"), ("r25r", "%s remembered keys" % nrem)):
+            w("| %s | %s | %s | %s |" % (name, fmt(med(lb)), fmt(med(lb, "mean"), "%.2f"), fmt(med(lb, "p99"), "%.2f")))
+        w("")
+        w("Among remembered keys / empty: %s (per round: %s)." % (fx(ratio("r25r", "r25e")), per_round("r25r", "r25e")))
+        w("")
+
 # targets
 w("## Targets")
 w("")
