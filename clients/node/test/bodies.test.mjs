@@ -7,13 +7,12 @@ import { createHash } from 'node:crypto';
 import { gunzipSync } from 'node:zlib';
 import pg from 'pg';
 import { defaultStorePolicy } from 'pg-idempotency';
-import { db, row, newKey, send, waitFor, frameworks } from './helpers.mjs';
+import { db, row, newKey, send, waitFor, frameworks, createTestOrders } from './helpers.mjs';
 
 const pool = new pg.Pool({ max: 10 });
 
 before(async () => {
-	await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
-		id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
+	await createTestOrders();
 });
 
 after(async () => {

@@ -7,7 +7,7 @@ import { test, describe, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import pg from 'pg';
-import { db, row, newKey, send, exchange, problemOf, waitFor, frameworks } from './helpers.mjs';
+import { db, row, newKey, send, exchange, problemOf, waitFor, frameworks, createTestOrders } from './helpers.mjs';
 
 const pool = new pg.Pool({ max: 10 });
 const NO_EXTENSION_DB = `${process.env.PGDATABASE ?? 'postgres'}_noext2`;
@@ -16,8 +16,7 @@ let noExtensionPool;
 let noGrantPool;
 
 before(async () => {
-	await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
-		id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
+	await createTestOrders();
 	await db.query(`DROP DATABASE IF EXISTS ${NO_EXTENSION_DB} WITH (FORCE)`);
 	await db.query(`CREATE DATABASE ${NO_EXTENSION_DB}`);
 	await db.query(`CREATE ROLE ${NO_GRANT_ROLE} LOGIN`);

@@ -7,15 +7,14 @@
 import { test, describe, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import pg from 'pg';
-import { db, row, newKey, send, problemOf, waitFor, frameworks } from './helpers.mjs';
+import { db, row, newKey, send, problemOf, waitFor, frameworks, createTestOrders } from './helpers.mjs';
 
 const pool = new pg.Pool({ max: 10 });
 /* sessions that give up on a row lock after 100 ms (55P03) */
 const impatient = new pg.Pool({ max: 4, options: '-c lock_timeout=100' });
 
 before(async () => {
-	await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
-		id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
+	await createTestOrders();
 	await db.query('CREATE TABLE IF NOT EXISTS test_unique (k text PRIMARY KEY)');
 });
 

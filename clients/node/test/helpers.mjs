@@ -17,6 +17,12 @@ export function newKey(label = 'k') {
 	return `${label}-${randomUUID()}`;
 }
 
+/** The table the transactional test routes write (/tx, /tx-status, ...). */
+export async function createTestOrders() {
+	await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
+		id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
+}
+
 /** The stored row of a key (null when absent). */
 export async function row(key, scope = '') {
 	const { rows } = await db.query(

@@ -4,13 +4,12 @@ import { test, describe, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { createHash } from 'node:crypto';
 import pg from 'pg';
-import { db, row, newKey, send, waitFor, frameworks, recordingPool, problemOf } from './helpers.mjs';
+import { db, row, newKey, send, waitFor, frameworks, recordingPool, problemOf, createTestOrders } from './helpers.mjs';
 
 const pool = new pg.Pool({ max: 10 });
 
 before(async () => {
-	await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
-		id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
+	await createTestOrders();
 });
 
 after(async () => {

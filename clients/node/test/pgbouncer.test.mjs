@@ -6,7 +6,7 @@ import { test, describe, after } from 'node:test';
 import assert from 'node:assert/strict';
 import pg from 'pg';
 import { idempotent } from 'pg-idempotency';
-import { db, row, newKey, deferred, waitFor, recordingPool, send, startExpress } from './helpers.mjs';
+import { db, row, newKey, deferred, waitFor, recordingPool, send, startExpress, createTestOrders } from './helpers.mjs';
 
 const port = process.env.IDEM_PGBOUNCER_PORT;
 const skip = port ? false : 'IDEM_PGBOUNCER_PORT is not set: no PgBouncer to test through';
@@ -78,8 +78,7 @@ describe('through PgBouncer (transaction pooling)', { skip }, () => {
 		const counted = recordingPool(bouncer);
 		const app = await startExpress({ pool: counted });
 		try {
-			await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
-				id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
+			await createTestOrders();
 			const key = newKey('pgb-http');
 			const gate = app.control.gate(key);
 			const first = send(app.url, '/slow', { key });

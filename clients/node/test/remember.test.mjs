@@ -13,7 +13,7 @@ import {
 	idempotent, idempotentJob, fastifyIdempotency, idempotencyContext, ExpiredError, MismatchError,
 	MisconfiguredError, IdempotencyError,
 } from 'pg-idempotency';
-import { db, newKey, age, send, problemOf, frameworks, waitFor } from './helpers.mjs';
+import { db, newKey, age, send, problemOf, frameworks, waitFor, createTestOrders } from './helpers.mjs';
 
 const { version: CLIENT_VERSION } = createRequire(import.meta.url)('pg-idempotency/package.json');
 const DAY = 86400;
@@ -21,11 +21,7 @@ const pool = new pg.Pool({ max: 6 });
 /* sessions where the server remembers every key for an hour unless told otherwise */
 const remembering = new pg.Pool({ max: 2, options: '-c idempotency.remember=3600' });
 
-before(async () => {
-	/* what the transactional test route writes */
-	await db.query(`CREATE TABLE IF NOT EXISTS test_orders (
-		id bigserial PRIMARY KEY, request_key text NOT NULL, note text)`);
-});
+before(createTestOrders);
 
 after(async () => {
 	await pool.end();
