@@ -15,7 +15,8 @@
 #     idempotency;
 #   - keys in every state are stored: finished with a response, failed,
 #     pending under a live lease, pending with an ended lease, at a
-#     recovery point, and a batch claimed and finished together;
+#     recovery point, finished and past its retention (not swept), and a
+#     batch claimed and finished together;
 #   - the newest installer runs over it, run by the same role (through
 #     pg_tle it registers only
 #     what is new, then ALTER EXTENSION idempotency UPDATE; plain, it
@@ -28,10 +29,21 @@
 #     different request is a mismatch, the live key is in progress and its
 #     holder extends, checkpoints and finishes it, the stale key is taken
 #     over (attempt 2, a larger token, the recovery point it had) and its
-#     old token is refused (55006);
+#     old token is refused (55006), the key past its retention is claimed
+#     afresh (attempt 1);
+#   - a key remembered after the update (1.7.0) works: claimed and finished
+#     with remember, aged past its retention by the superuser, a claim of it
+#     answers expired (another request mismatch), the sweep compacts it
+#     (response gone, outcome kept), idem_lookup shows remembered_until and
+#     idem_forget removes it;
 #   - the catalog is a fresh install's, definition for definition, owners
 #     and privileges included (catalog_queries, and every function of the
 #     schema for the plain installer, which makes no extension).
+# And for each released version, in a database of its own: the privileges
+# an administrator gave on the functions the update creates anew (their
+# arguments or result columns changed) carry over, grantors included where
+# the admin role may act as the grantor, the grantee's privilege where it
+# may not.
 # Against the C edition the file skips: its updates are 211_upgrade.pl's.
 #
 # Run it like the other TAP tests (see the top of t/001_restart.pl), with
@@ -175,6 +187,7 @@ for my $v (@released)
 	);
 	my $live = claim($node, $db, "'live', '{\"n\": 3}', lease => '1 hour'");
 	my $stale = claim($node, $db, "'stale', '{\"n\": 4}', lease => '1 second'");
+	finish_key($node, $db, 'gone', '1 second', q('{"old": true}'));
 	sql($db,
 		"SELECT idempotency.idem_checkpoint('stale', $stale->{token}, 'charged', '{\"charge\": \"ch_1\"}')"
 	);
@@ -184,6 +197,7 @@ for my $v (@released)
 			  . "ARRAY['{\"b\": 1}', '{\"b\": 2}']::jsonb[], lease => '1 hour')), ARRAY[200, 200])"),
 		'2', "$v: a batch claimed and finished");
 	ok(wait_lease_over($node, $db, '', 'stale'), "$v: the stale key's lease ended");
+	ok(wait_past_retention($node, $db, 'gone'), "$v: the finished key 'gone' is past its retention");
 
 	my $rows_before = key_rows($node, $db);
 	my $seq_before = sql($db, $seq_sql);
@@ -232,6 +246,41 @@ for my $v (@released)
 	is(sqlstate_of($node, $db,
 			"SELECT idempotency.idem_finish('stale', $stale->{token}, 200)"),
 		'55006', "$v: the stale key's old token is refused (55006)");
+	is(sql($db,
+			"SELECT concat_ws('|', outcome, attempt) FROM idempotency.idem_claim('gone', '{\"n\": 5}')"),
+		'claimed|1', "$v: the key past its retention is claimed afresh");
+
+	# a remembered key, new in 1.7.0
+	my $rem = claim($node, $db, "'remembered', '{\"n\": 6}', remember => '1 hour'");
+	is($rem->{outcome}, 'claimed', "$v: a key claimed with remember");
+	is(sql($db,
+			"SELECT idempotency.idem_finish('remembered', $rem->{token}, 201, '{\"id\": 6}') IS NOT NULL"),
+		't', "$v: and finished");
+	sql($db,
+		    "UPDATE idempotency.keys SET expires_at = now() - interval '1 minute', "
+		  . "sweep_at = now() - interval '1 minute' WHERE key = 'remembered'");
+	is_deeply(claim($node, $db, "'remembered', '{\"n\": 6}'"),
+		{ %{ mismatch_row() }, outcome => 'expired', status => 'succeeded', response_code => 201 },
+		"$v: past its retention the remembered key answers expired, with its status and code");
+	is(claim($node, $db, "'remembered', '{\"n\": 7}'")->{outcome},
+		'mismatch', "$v: another request under it is a mismatch");
+	cmp_ok(sql($db, 'SELECT expired FROM idempotency.idem_sweep()'), '>=', 1,
+		"$v: the sweep counts it expired");
+	is(sql($db,
+			"SELECT concat_ws('|', status, response_code, response_body IS NULL, phase IS NULL, "
+			  . "sweep_at = expires_at + remember) FROM idempotency.keys WHERE key = 'remembered'"),
+		'succeeded|201|t|t|t', "$v: and compacts it: its response gone, its outcome kept");
+	is(sql($db,
+			"SELECT concat_ws('|', status, response_code, response_body IS NULL, "
+			  . "remembered_until = expires_at + interval '1 hour') "
+			  . "FROM idempotency.idem_lookup('remembered')"),
+		'succeeded|201|t|t', "$v: idem_lookup shows it with remembered_until");
+	is(claim($node, $db, "'remembered', '{\"n\": 6}'")->{outcome},
+		'expired', "$v: compacted, it still answers expired");
+	is(sql($db, "SELECT idempotency.idem_forget('remembered')"),
+		't', "$v: idem_forget removes it");
+	is(claim($node, $db, "'remembered', '{\"n\": 6}'")->{outcome},
+		'claimed', "$v: and it runs again");
 
 	# the catalog
 	my %catalog = (catalog_queries(),
@@ -243,5 +292,90 @@ for my $v (@released)
 			"$v: $what as a fresh install's");
 	}
 }
+
+# The privileges an administrator gave carry over to the functions the
+# update creates anew.  regress_app may execute idem_claim and idem_lookup,
+# regress_lead idem_claim with the grant option, regress_worker idem_claim
+# by regress_lead's grant (the admin role is a member of regress_lead, so
+# it grants again as regress_lead), regress_monitor stats_key_counts
+# (revoked from PUBLIC, as idem_claim and idem_lookup are), and
+# regress_helper idem_finish by the grant of regress_other, a role the
+# admin may not act as: granted again by the owner.
+my @roles = qw(regress_app regress_lead regress_worker regress_monitor regress_other
+  regress_helper);
+sql('postgres', join('', map { "CREATE ROLE $_; " } @roles)
+	  . "GRANT regress_lead TO $SQL_ADMIN");
+my $granted = "'idem_claim', 'idem_lookup', 'idem_finish', 'stats_key_counts'";
+
+# "name(arguments) owner acl" of the granted functions in $db.
+sub granted_acls
+{
+	my ($db) = @_;
+	return sql($db,
+		    "SELECT string_agg(concat_ws(' ', p.proname, p.proowner::regrole, p.proacl), "
+		  . "E'\\n' ORDER BY p.proname) FROM pg_proc p "
+		  . "WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proname IN ($granted)");
+}
+
+# Who may execute them: "function:role=bool,...".
+sub may_execute
+{
+	my ($db) = @_;
+	return sql($db,
+		    "SELECT string_agg(p.proname || ':' || r || '=' || "
+		  . "has_function_privilege(r, p.oid, 'EXECUTE'), ',' ORDER BY p.proname, r) "
+		  . "FROM pg_proc p, unnest(ARRAY['public', "
+		  . join(', ', map { "'$_'" } @roles)
+		  . "]) AS r WHERE p.pronamespace = 'idempotency'::regnamespace "
+		  . "AND p.proname IN ($granted)");
+}
+
+for my $v (@released)
+{
+	(my $db = "acl_$v") =~ s/\W/_/g;
+	install_released($db, $v);
+	sql($db, qq{
+GRANT USAGE ON SCHEMA idempotency TO } . join(', ', @roles) . qq{;
+REVOKE EXECUTE ON FUNCTION idempotency.idem_claim FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.idem_claim TO regress_app;
+GRANT EXECUTE ON FUNCTION idempotency.idem_claim TO regress_lead WITH GRANT OPTION;
+REVOKE EXECUTE ON FUNCTION idempotency.idem_lookup FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.idem_lookup TO regress_app;
+REVOKE EXECUTE ON FUNCTION idempotency.stats_key_counts FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.stats_key_counts TO regress_monitor;
+GRANT EXECUTE ON FUNCTION idempotency.idem_finish TO regress_other WITH GRANT OPTION;
+SET ROLE regress_lead;
+GRANT EXECUTE ON FUNCTION idempotency.idem_claim TO regress_worker;
+SET ROLE regress_other;
+GRANT EXECUTE ON FUNCTION idempotency.idem_finish TO regress_helper;
+RESET ROLE;
+});
+	my $acls = granted_acls($db);
+	my $may = may_execute($db);
+	like($acls, qr/^idem_claim \Q$SQL_ADMIN\E \{.*regress_worker=X\/regress_lead/m,
+		"$db: under $v, regress_lead granted EXECUTE on idem_claim to regress_worker");
+
+	install_newest($db);
+	install_newest($db);
+	(my $expect = $acls) =~ s/regress_helper=X\/regress_other/regress_helper=X\/$SQL_ADMIN/;
+	is(granted_acls($db), $expect,
+		"$db: the functions keep their owner and privileges, by the same grantors "
+		  . "but regress_other's, which the owner granted again");
+	is(may_execute($db), $may, "$db: the same roles may execute them");
+	like($may, qr/idem_claim:public=false.*idem_claim:regress_worker=true/,
+		"$db: PUBLIC may not execute idem_claim, regress_worker may");
+	is(sql($db,
+			"SELECT count(*) FROM pg_proc WHERE pronamespace = 'idempotency'::regnamespace "
+			  . "AND (proname LIKE '\\_parked\\_%' OR proname LIKE '\\_update\\_%')"),
+		'0', "$db: no function of the older version, nor the update's helpers, is left");
+	is(sql($db,
+			"SET ROLE regress_worker; SELECT outcome FROM idempotency.idem_claim('w', remember => '1 hour')"),
+		'claimed', "$db: regress_worker claims a key, remembered");
+	is(sqlstate_of($node, $db,
+			"SET ROLE regress_monitor; SELECT * FROM idempotency.idem_claim('m')"),
+		'42501', "$db: a role without the grant may not");
+	sql('postgres', "DROP DATABASE $db");
+}
+sql('postgres', 'DROP ROLE ' . join(', ', @roles));
 
 done_testing();

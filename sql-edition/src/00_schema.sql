@@ -6,11 +6,12 @@
  *
  * Owns the objects that hold data, and what pg_dump carries of them: the
  * same columns, indexes, storage and privileges as the C edition's
- * idempotency--1.6.sql, so that a dump of either edition restores into the
- * other.  Every statement creates only what is missing, because running
- * the script again is how the plain installer upgrades, and it must never
- * drop a key.  The comment that follows this header opens the generated
- * script and states the conventions every later part keeps.
+ * idempotency--1.6.sql and idempotency--1.6--1.7.sql, so that a dump of
+ * either edition restores into the other.  Every statement creates only
+ * what is missing, because running the script again is how the plain
+ * installer upgrades, and it must never drop a key.  The comment that
+ * follows this header opens the generated script and states the
+ * conventions every later part keeps.
  *
  *-------------------------------------------------------------------------
  */
@@ -64,8 +65,25 @@ CREATE TABLE IF NOT EXISTS idempotency.keys (
 	phase			text COLLATE "C",
 	phase_data		jsonb,
 	owner_session	bigint,
+	remember		interval,
 	CONSTRAINT keys_pkey PRIMARY KEY (scope, key)
 ) WITH (fillfactor = 80);
+
+/*
+ * How long a finished key is remembered after its retention (NULL: not
+ * remembered), the last column, as versions before 1.7.0 lacked it.  Added
+ * without a default, so no stored row is rewritten; asked first, because
+ * ALTER TABLE locks the table even when the column exists.
+ */
+DO $do$
+BEGIN
+	IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
+				   WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.keys'::pg_catalog.regclass
+					 AND a.attname OPERATOR(pg_catalog.=) 'remember' AND NOT a.attisdropped) THEN
+		ALTER TABLE idempotency.keys ADD COLUMN remember interval;
+	END IF;
+END;
+$do$;
 CREATE INDEX IF NOT EXISTS keys_sweep_at_idx ON idempotency.keys (sweep_at);
 CREATE INDEX IF NOT EXISTS keys_owner_session_idx ON idempotency.keys (owner_session)
 	WHERE owner_session IS NOT NULL;

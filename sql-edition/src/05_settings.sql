@@ -3,9 +3,9 @@
  * 05_settings.sql
  *	  Settings, argument checks, messages and fingerprints.
  *
- * Mirrors guc.c (_guc_interval, _guc_bytes: the idempotency.* settings,
- * which are placeholders without the C library, with the C edition's
- * defaults and units), args.c (the _check_* functions: every argument
+ * Mirrors guc.c (_guc_interval, _guc_bytes, _remember_setting: the
+ * idempotency.* settings, which are placeholders without the C library,
+ * with the C edition's defaults and units), args.c (the _check_* functions: every argument
  * check with the C edition's message and SQLSTATE, in the same order),
  * fingerprint.c (_fingerprint: the request's SHA-256, the same bytes as
  * the C edition's, so that a key claimed by one edition is recognised by
@@ -170,6 +170,41 @@ RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.retention', tr
 			OPERATOR(pg_catalog.=) ANY (ARRAY['', '1d']) THEN '24:00:00'::interval
 	ELSE idempotency._guc_interval('idempotency.retention', 's', '24:00:00') END;
 
+/*
+ * idempotency.remember when it is set: what _guc_interval reads, refused
+ * (22023) where the C edition refuses the setting (below 0, above
+ * 2147483647 seconds), NULL for 0.
+ */
+CREATE OR REPLACE FUNCTION idempotency._remember_guc()
+RETURNS interval
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+	iv interval := idempotency._guc_interval('idempotency.remember', 's', '0');
+BEGIN
+	IF iv OPERATOR(pg_catalog.<) '0'::interval OR
+	   iv OPERATOR(pg_catalog.>) pg_catalog.make_interval(secs => 2147483647) THEN
+		RAISE EXCEPTION '% is outside the valid range for parameter "idempotency.remember" (0 .. 2147483647)',
+			pg_catalog.current_setting('idempotency.remember')
+			USING ERRCODE = '22023';
+	END IF;
+	RETURN NULLIF(iv, '0'::interval);
+END;
+$$;
+
+/*
+ * idempotency.remember as the interval a claim stores: NULL (not
+ * remembered) unless set to more than 0, so that the usual case reads one
+ * setting (an inlined SQL function).  A bare number counts seconds.
+ */
+CREATE OR REPLACE FUNCTION idempotency._remember_setting()
+RETURNS interval
+LANGUAGE sql STABLE
+RETURN CASE WHEN COALESCE(pg_catalog.current_setting('idempotency.remember', true), '')
+			OPERATOR(pg_catalog.=) ANY (ARRAY['', '0']) THEN NULL
+	ELSE idempotency._remember_guc() END;
+
 /* A key, scope or phase: not NULL, at most 255 characters, maybe not empty. */
 CREATE OR REPLACE FUNCTION idempotency._check_name(t text, name text, allow_empty boolean)
 RETURNS void
@@ -197,32 +232,46 @@ END;
 $$;
 
 /*
- * A lease or retention: NULL (the setting applies) or positive, and at most
- * 10000 years (interval comparison counts months as 30 days, as the C
- * edition does).
+ * A lease, retention or remember: NULL (the setting applies), positive (or
+ * with "allow_zero" zero, which turns remembering off), and at most 10000
+ * years (interval comparison counts months as 30 days, as the C edition
+ * does).
  */
-CREATE OR REPLACE FUNCTION idempotency._check_positive(iv interval, name text)
+CREATE OR REPLACE FUNCTION idempotency._check_interval(iv interval, name text, allow_zero boolean)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
 	now timestamptz;
+	bad text := CASE WHEN allow_zero THEN '%s must not be negative' ELSE '%s must be positive' END;
 BEGIN
 	IF iv IS NULL THEN
 		RETURN;
 	END IF;
-	IF iv OPERATOR(pg_catalog.<=) '0'::interval THEN
-		RAISE EXCEPTION '% must be positive', name USING ERRCODE = '22023';
+	IF iv OPERATOR(pg_catalog.<) '0'::interval OR
+	   (iv OPERATOR(pg_catalog.=) '0'::interval AND NOT allow_zero) THEN
+		RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(bad, name);
 	END IF;
 	IF iv OPERATOR(pg_catalog.>) '10000 years'::interval THEN
 		RAISE EXCEPTION '% is too large', name
 			USING ERRCODE = '22023', DETAIL = 'The limit is 10000 years.';
 	END IF;
 	now := pg_catalog.clock_timestamp();
-	IF now OPERATOR(pg_catalog.+) iv OPERATOR(pg_catalog.<=) now THEN
-		RAISE EXCEPTION '% must be positive', name USING ERRCODE = '22023';
+	IF iv OPERATOR(pg_catalog.>) '0'::interval AND now OPERATOR(pg_catalog.+) iv OPERATOR(pg_catalog.<=) now THEN
+		RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = pg_catalog.format(bad, name);
 	END IF;
+END;
+$$;
+
+/* A lease or retention: NULL (the setting applies) or positive. */
+CREATE OR REPLACE FUNCTION idempotency._check_positive(iv interval, name text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+	PERFORM idempotency._check_interval(iv, name, false);
 END;
 $$;
 

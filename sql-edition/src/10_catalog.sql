@@ -41,15 +41,15 @@ DECLARE
 	names text[] := ARRAY['scope', 'key', 'status', 'token', 'attempt',
 		'fingerprint', 'response_code', 'response_body', 'created_at',
 		'finished_at', 'lease_until', 'expires_at', 'retention', 'sweep_at',
-		'phase', 'phase_data', 'owner_session'];
+		'phase', 'phase_data', 'owner_session', 'remember'];
 	types oid[] := ARRAY['text'::regtype, 'text'::regtype, 'text'::regtype,
 		'bigint'::regtype, 'integer'::regtype, 'bytea'::regtype,
 		'integer'::regtype, 'jsonb'::regtype, 'timestamptz'::regtype,
 		'timestamptz'::regtype, 'timestamptz'::regtype, 'timestamptz'::regtype,
 		'interval'::regtype, 'timestamptz'::regtype, 'text'::regtype,
-		'jsonb'::regtype, 'bigint'::regtype]::oid[];
+		'jsonb'::regtype, 'bigint'::regtype, 'interval'::regtype]::oid[];
 	required boolean[] := ARRAY[true, true, true, false, true, false, false,
-		false, true, false, false, true, true, true, false, false, false];
+		false, true, false, false, true, true, true, false, false, false, false];
 	nsp oid := pg_catalog.to_regnamespace('idempotency');
 	ext oid;
 	keys oid;
@@ -97,7 +97,7 @@ BEGIN
 			USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';
 	END IF;
 	SELECT c.relnatts INTO natts FROM pg_catalog.pg_class c WHERE c.oid OPERATOR(pg_catalog.=) keys;
-	IF natts OPERATOR(pg_catalog.<>) 17 THEN
+	IF natts OPERATOR(pg_catalog.<>) 18 THEN
 		RAISE EXCEPTION 'table "idempotency.keys" is not as extension "idempotency" created it'
 			USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
 	END IF;

@@ -7,8 +7,9 @@
  * from the row version's xmin and xmax (_xid8, _multi_busy) whether this
  * transaction wrote it or another one is changing it right now, which the
  * C edition learns from a dirty snapshot that SQL does not have;
- * _check_row refuses a stored row the functions never write (XX001).
- * Never writes.  The row-lock questions a token call asks (_row_hold) are
+ * _check_row refuses a stored row the functions never write (XX001);
+ * _remembered says whether a finished key past its retention is
+ * remembered.  Never writes.  The row-lock questions a token call asks (_row_hold) are
  * in 35_holder.sql, its only caller.
  *
  *-------------------------------------------------------------------------
@@ -82,6 +83,20 @@ END;
 $$;
 
 /*
+ * Is a key remembered at "now": finished, past its retention and not past
+ * its remember?  Such a key never runs again: a claim answers expired (or
+ * mismatch), whether or not a sweep has compacted it yet.  False, never
+ * NULL, for a key without remember.  An inlined SQL function.
+ */
+CREATE OR REPLACE FUNCTION idempotency._remembered(status text, expires_at timestamptz,
+	remember interval, now timestamptz)
+RETURNS boolean
+LANGUAGE sql STABLE
+RETURN remember IS NOT NULL AND status OPERATOR(pg_catalog.<>) 'pending'
+	AND expires_at OPERATOR(pg_catalog.<=) now
+	AND expires_at OPERATOR(pg_catalog.+) remember OPERATOR(pg_catalog.>) now;
+
+/*
  * Is the row version whose xmax is "x" changed or row-locked right now by
  * another transaction through a multixact?  A row that several
  * transactions lock, or that one transaction locks and then updates in a
@@ -149,6 +164,13 @@ $$;
  * A key another transaction is inserting is invisible here; its claim's
  * insert finds it (the unique check) and answers in_progress.
  */
+-- versions before 1.7.0 returned no remember (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside('idempotency._probe(text,text)', 'remember');
+END;
+$do$;
+
 CREATE OR REPLACE FUNCTION idempotency._probe(p_scope text, p_key text,
 	OUT present boolean, OUT busy boolean, OUT mine boolean, OUT tid tid,
 	OUT status text, OUT token bigint, OUT attempt integer, OUT fingerprint bytea,
@@ -156,7 +178,7 @@ CREATE OR REPLACE FUNCTION idempotency._probe(p_scope text, p_key text,
 	OUT created_at timestamptz, OUT finished_at timestamptz,
 	OUT lease_until timestamptz, OUT expires_at timestamptz,
 	OUT retention interval, OUT sweep_at timestamptz, OUT phase text,
-	OUT phase_data jsonb, OUT owner_session bigint)
+	OUT phase_data jsonb, OUT owner_session bigint, OUT remember interval)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -185,7 +207,7 @@ BEGIN
 		lease_until := rec.lease_until; expires_at := rec.expires_at;
 		retention := rec.retention; sweep_at := rec.sweep_at;
 		phase := rec.phase; phase_data := rec.phase_data;
-		owner_session := rec.owner_session;
+		owner_session := rec.owner_session; remember := rec.remember;
 		PERFORM idempotency._check_row(p_scope, p_key, status, attempt, created_at,
 			expires_at, retention, sweep_at, fingerprint);
 		x8 := idempotency._xid8(rec.xmin_, rec.snap_);

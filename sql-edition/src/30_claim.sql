@@ -5,9 +5,10 @@
  *	  wait.
  *
  * Mirrors claim.c, with the claim's writes of write.c and the wait of
- * wait.c.  _claim_key decides and writes one claim; idem_claim and
- * idem_claim_many check their arguments and call it, with their owner's
- * rights; idem_claim waits when asked to.  Keys serialise on what only
+ * wait.c.  _claim_key decides (an expired outcome for a remembered key)
+ * and writes one claim; idem_claim and idem_claim_many check their
+ * arguments and call it, with their owner's rights; idem_claim waits when
+ * asked to.  Keys serialise on what only
  * the table's owner can touch: the key's lane (key_lanes) for a new key,
  * the row's lock for an existing one, both held by the claiming
  * transaction to its end and never waited for unless the call was asked
@@ -34,12 +35,20 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE
 RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text OPERATOR(pg_catalog.||) ':'
 	OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key) OPERATOR(pg_catalog.&) 262143;
 
+-- versions before 1.7.0 had no p_remember (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside(
+		'idempotency._claim_key(name,oid,text,bytea,text,interval,interval,boolean)');
+END;
+$do$;
+
 /*
  * One claim of (p_scope, p_key) for the role p_who (its oid p_role), the
  * arguments checked: answered from one read of the key, its binding and
  * the store's verdict when that read can answer (a replay, a mismatch, a
- * live claim of another attempt: no lock, no subtransaction), written
- * otherwise:
+ * remembered key, a live claim of another attempt: no lock, no
+ * subtransaction), written otherwise:
  *   - a new key: its lane locked without waiting (key_lanes: a lane another
  *     transaction holds answers in_progress), then one INSERT ... ON
  *     CONFLICT DO NOTHING, which cannot wait, as no other claim inserts
@@ -47,7 +56,8 @@ RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text OPERATOR(pg_cata
  *   - a key whose attempt ended (lease over, session gone) or whose
  *     retention passed: the row locked without waiting (FOR NO KEY UPDATE
  *     SKIP LOCKED, which also reads its newest committed version), judged
- *     again and updated.
+ *     again and updated; a claim that writes stores p_remember (NULL: not
+ *     remembered).
  * A row version another transaction is changing or locking right now
  * answers in_progress (_probe tells).  Besides the claim's columns it says
  * why a key is in progress ("busy": 'row' when another transaction holds
@@ -61,7 +71,7 @@ RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text OPERATOR(pg_cata
  */
 CREATE OR REPLACE FUNCTION idempotency._claim_key(p_who name, p_role oid,
 	p_key text, p_fp bytea, p_scope text, p_lease interval,
-	p_retention interval, p_session_bound boolean,
+	p_retention interval, p_session_bound boolean, p_remember interval,
 	OUT outcome text, OUT token bigint, OUT attempt integer, OUT status text,
 	OUT response_code integer, OUT response_body jsonb, OUT retry_after integer,
 	OUT phase text, OUT phase_data jsonb,
@@ -97,7 +107,7 @@ BEGIN
 			   k.ctid AS tid, k.xmax AS xmax_, k.status, k.token, k.attempt,
 			   k.fingerprint, k.response_code, k.response_body, k.created_at,
 			   k.lease_until, k.expires_at, k.retention, k.sweep_at, k.phase,
-			   k.phase_data, k.owner_session
+			   k.phase_data, k.owner_session, k.remember
 		  INTO r
 		  FROM (SELECT idempotency._store_verdict() AS verdict,
 					   'idempotency.token_seq'::pg_catalog.regclass AS seq) v
@@ -135,10 +145,15 @@ BEGIN
 		IF p.busy THEN
 			outcome := 'in_progress'; retry_after := 1; busy := 'row';
 			RETURN;
-		ELSIF NOT p.present OR p.expires_at OPERATOR(pg_catalog.<=) now THEN
+		ELSIF NOT p.present OR (p.expires_at OPERATOR(pg_catalog.<=) now AND
+			  NOT idempotency._remembered(p.status, p.expires_at, p.remember, now)) THEN
 			action := 'fresh';
 		ELSIF p.fingerprint IS DISTINCT FROM p_fp THEN
 			outcome := 'mismatch';
+			RETURN;
+		ELSIF p.expires_at OPERATOR(pg_catalog.<=) now THEN
+			-- remembered: it ran, and its response is gone; it never runs again
+			outcome := 'expired'; status := p.status; response_code := p.response_code;
 			RETURN;
 		ELSIF p.status OPERATOR(pg_catalog.<>) 'pending' THEN
 			outcome := 'replay'; status := p.status;
@@ -200,10 +215,10 @@ BEGIN
 				INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 					fingerprint, response_code, response_body, created_at, finished_at,
 					lease_until, expires_at, retention, sweep_at, phase, phase_data,
-					owner_session)
+					owner_session, remember)
 				VALUES (p_scope, p_key, 'pending', _claim_key.token, 1, p_fp, NULL, NULL,
 					now, NULL, _claim_key.lease_until, expires, ret, _claim_key.lease_until,
-					NULL, NULL, owner)
+					NULL, NULL, owner, p_remember)
 				ON CONFLICT (scope, key) DO NOTHING;
 				GET DIAGNOSTICS n = ROW_COUNT;
 			ELSE
@@ -212,10 +227,10 @@ BEGIN
 					INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 						fingerprint, response_code, response_body, created_at, finished_at,
 						lease_until, expires_at, retention, sweep_at, phase, phase_data,
-						owner_session)
+						owner_session, remember)
 					VALUES (p_scope, p_key, 'pending', _claim_key.token, 1, p_fp, NULL, NULL,
 						now, NULL, _claim_key.lease_until, expires, ret, _claim_key.lease_until,
-						NULL, NULL, owner);
+						NULL, NULL, owner, p_remember);
 					n := 1;
 				EXCEPTION WHEN unique_violation THEN
 					IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
@@ -234,7 +249,7 @@ BEGIN
 		ELSE
 			SELECT k.ctid AS tid, k.status, k.token, k.attempt, k.fingerprint,
 				   k.created_at, k.lease_until, k.expires_at, k.sweep_at, k.phase,
-				   k.phase_data, k.owner_session
+				   k.phase_data, k.owner_session, k.remember
 			  INTO l
 			  FROM idempotency.keys k
 			 WHERE k.scope OPERATOR(pg_catalog.=) p_scope AND k.key OPERATOR(pg_catalog.=) p_key
@@ -246,9 +261,10 @@ BEGIN
 				CONTINUE;
 			END IF;
 			-- the newest committed version, locked: judge it once more
-			IF l.expires_at OPERATOR(pg_catalog.<=) now THEN
+			IF l.expires_at OPERATOR(pg_catalog.<=) now AND
+			   NOT idempotency._remembered(l.status, l.expires_at, l.remember, now) THEN
 				action := 'fresh';
-			ELSIF l.fingerprint IS DISTINCT FROM p_fp OR l.status OPERATOR(pg_catalog.<>) 'pending' OR
+			ELSIF l.expires_at OPERATOR(pg_catalog.<=) now OR l.fingerprint IS DISTINCT FROM p_fp OR l.status OPERATOR(pg_catalog.<>) 'pending' OR
 				  (l.token IS NOT NULL AND l.lease_until OPERATOR(pg_catalog.>) now AND
 				   (l.owner_session IS NULL OR idempotency._session_alive(l.owner_session))) THEN
 				lease_until := NULL;
@@ -266,7 +282,8 @@ BEGIN
 					   created_at = now, finished_at = NULL,
 					   lease_until = _claim_key.lease_until, expires_at = expires,
 					   retention = ret, sweep_at = LEAST(l.sweep_at, _claim_key.lease_until),
-					   phase = NULL, phase_data = NULL, owner_session = owner
+					   phase = NULL, phase_data = NULL, owner_session = owner,
+					   remember = p_remember
 				 WHERE k.ctid OPERATOR(pg_catalog.=) l.tid;
 			ELSE
 				attempt := l.attempt OPERATOR(pg_catalog.+) 1;
@@ -276,7 +293,7 @@ BEGIN
 				   SET token = _claim_key.token, attempt = _claim_key.attempt,
 					   lease_until = _claim_key.lease_until, expires_at = expires,
 					   retention = ret, sweep_at = LEAST(l.sweep_at, _claim_key.lease_until),
-					   owner_session = owner
+					   owner_session = owner, remember = p_remember
 				 WHERE k.ctid OPERATOR(pg_catalog.=) l.tid;
 			END IF;
 		END IF;
@@ -337,8 +354,8 @@ $$;
  * query reads the key, the caller's binding and the store's verdict and
  * answers a replay, a mismatch or a live claim of another attempt (without
  * "wait") when the key's newest version is committed and untouched
- * (xmax = 0), the row sound, the scope allowed and not past retention.
- * Everything else (a new or expired key, a takeover, a row being changed,
+ * (xmax = 0), the row sound, the scope allowed and not past retention, or
+ * past retention a remembered key's expired or mismatch.  Everything else (a new or expired key, a takeover, a row being changed,
  * a claim of this transaction, a refusal, a bad argument) takes the full
  * path below, which decides again from scratch.  A key another transaction
  * holds (a claim, takeover, finish, release or sweep not committed yet) is
@@ -348,6 +365,14 @@ $$;
  * claim committed is polled, 1 ms at first, backing off to 10 ms, and
  * never past the lease's end.
  */
+-- versions before 1.7.0 had no remember argument (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside(
+		'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean)');
+END;
+$do$;
+
 CREATE OR REPLACE FUNCTION idempotency.idem_claim(
 	key			text,
 	request		jsonb		DEFAULT NULL,
@@ -355,7 +380,8 @@ CREATE OR REPLACE FUNCTION idempotency.idem_claim(
 	lease		interval	DEFAULT NULL,
 	retention	interval	DEFAULT NULL,
 	wait		interval	DEFAULT '0',
-	session_bound boolean	DEFAULT false)
+	session_bound boolean	DEFAULT false,
+	remember	interval	DEFAULT NULL)
 RETURNS SETOF idempotency.claim_result
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 1 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -375,6 +401,7 @@ DECLARE
 	lsn pg_lsn;
 	ls interval;
 	rt interval;
+	rem interval;
 BEGIN
 	IF NOT (key IS NULL OR pg_catalog.octet_length(key) OPERATOR(pg_catalog.=) 0 OR
 			pg_catalog.octet_length(key) OPERATOR(pg_catalog.>) 255 OR
@@ -386,23 +413,32 @@ BEGIN
 			(retention IS NOT NULL AND NOT (retention OPERATOR(pg_catalog.>) '0'::interval AND
 				retention OPERATOR(pg_catalog.<=) '10000 years'::interval AND
 				pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) retention OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp())) OR
+			(remember IS NOT NULL AND NOT (remember OPERATOR(pg_catalog.=) '0'::interval OR
+				(remember OPERATOR(pg_catalog.>) '0'::interval AND
+				 remember OPERATOR(pg_catalog.<=) '10000 years'::interval AND
+				 pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) remember OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()))) OR
 			pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean OR
 			pg_catalog.to_regclass('idempotency.keys') IS NULL OR
 			pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL) THEN
 		-- One read answers, or says nothing (the full path then decides).
-		-- A replay or a mismatch is answered from a version nobody locked
-		-- (xmax 0) or only its own writer, which has ended or is this
-		-- transaction (xmax = xmin: a token call locks the row it then
-		-- updates, and the new version keeps that lock); a live claim only
-		-- from a version nobody locked.
+		-- A replay, a mismatch or a remembered key's expired is answered
+		-- from a version nobody locked (xmax 0) or only its own writer,
+		-- which has ended or is this transaction (xmax = xmin: a token call
+		-- locks the row it then updates, and the new version keeps that
+		-- lock); a live claim only from a version nobody locked.  The
+		-- remember column is read only for a key past its retention.
 		SELECT CASE
 				 WHEN v.verdict IS NULL OR v.refused THEN NULL
 				 WHEN k.ctid IS NULL THEN
 					  CASE WHEN v.verdict OPERATOR(pg_catalog.=) 0 AND NOT idem_claim.session_bound
 						   THEN 'fresh' END
-				 WHEN k.expires_at OPERATOR(pg_catalog.<=) v.now OR
-					  pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 OR
+				 WHEN pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 OR
 					  (k.xmax OPERATOR(pg_catalog.<>) '0'::xid AND k.xmax OPERATOR(pg_catalog.<>) k.xmin) THEN NULL
+				 WHEN k.expires_at OPERATOR(pg_catalog.<=) v.now THEN
+					  CASE WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['succeeded', 'failed']) AND
+								idempotency._remembered(k.status, k.expires_at, k.remember, v.now)
+						   THEN CASE WHEN k.fingerprint IS DISTINCT FROM v.fp THEN 'mismatch'
+									 ELSE 'expired' END END
 				 WHEN k.fingerprint IS DISTINCT FROM v.fp THEN
 					  CASE WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'succeeded', 'failed'])
 						   THEN 'mismatch' END
@@ -439,12 +475,18 @@ BEGIN
 			RETURN NEXT ROW('replay', NULL, NULL, w.status, w.response_code,
 				w.response_body, NULL, NULL, NULL)::idempotency.claim_result;
 			RETURN;
+		ELSIF w.outcome OPERATOR(pg_catalog.=) 'expired' THEN
+			RETURN NEXT ROW('expired', NULL, NULL, w.status, w.response_code,
+				NULL, NULL, NULL, NULL)::idempotency.claim_result;
+			RETURN;
 		ELSIF w.outcome OPERATOR(pg_catalog.=) 'fresh' THEN
 			-- A new key, no code attached to the table: the token, the
 			-- lane's lock and the insert, as _claim_key makes them.  A busy
 			-- lane or a key committed since the read takes the full path.
 			ls := COALESCE(lease, idempotency._lease_setting());
 			rt := COALESCE(retention, idempotency._retention_setting());
+			rem := CASE WHEN remember IS NULL THEN idempotency._remember_setting()
+				   ELSE NULLIF(remember, '0'::interval) END;
 			-- the verdict again, under the table's write lock
 			IF idempotency._write_verdict() OPERATOR(pg_catalog.=) 0 THEN
 				tok := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
@@ -458,11 +500,11 @@ BEGIN
 				INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 					fingerprint, response_code, response_body, created_at, finished_at,
 					lease_until, expires_at, retention, sweep_at, phase, phase_data,
-					owner_session)
+					owner_session, remember)
 				VALUES (idem_claim.scope, idem_claim.key, 'pending', tok, 1, w.fp,
 					NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
 					GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
-					rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL)
+					rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL, rem)
 				ON CONFLICT ON CONSTRAINT keys_pkey DO NOTHING;
 				IF FOUND THEN
 					IF COALESCE(w.first, '') OPERATOR(pg_catalog.=) '' THEN
@@ -505,14 +547,19 @@ BEGIN
 	IF session_bound IS NULL THEN
 		RAISE EXCEPTION 'session_bound must not be null' USING ERRCODE = '22004';
 	END IF;
+	IF remember IS NOT NULL THEN
+		PERFORM idempotency._check_interval(remember, 'remember', true);
+	END IF;
 	IF pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean THEN
 		PERFORM idempotency._check_writable('idem_claim()');
 	END IF;
+	rem := CASE WHEN remember IS NULL THEN idempotency._remember_setting()
+		   ELSE NULLIF(remember, '0'::interval) END;
 	IF request IS NOT NULL THEN
 		fp := pg_catalog.sha256(pg_catalog.convert_to(request::text, pg_catalog.getdatabaseencoding()));
 	END IF;
 	w := idempotency._claim_key(who, role, key, fp,
-		scope, lease, retention, session_bound);
+		scope, lease, retention, session_bound, rem);
 	IF w.outcome OPERATOR(pg_catalog.=) 'in_progress' AND NOT w.held
 	   AND wait OPERATOR(pg_catalog.>) '0'::interval THEN
 		deadline := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) wait;
@@ -558,7 +605,7 @@ BEGIN
 				pause := LEAST(pause OPERATOR(pg_catalog.*) 2, 0.01);
 			END IF;
 			w := idempotency._claim_key(who, role, key, fp,
-				scope, lease, retention, session_bound);
+				scope, lease, retention, session_bound, rem);
 			EXIT WHEN w.outcome OPERATOR(pg_catalog.<>) 'in_progress' OR w.held;
 		END LOOP;
 	END IF;
@@ -572,8 +619,9 @@ $$;
 
 /*
  * idem_claim_many: every argument checked first, then each element claimed
- * as idem_claim (without wait) would, one after another; the tokens are
- * made durable once, before the rows leave.
+ * as idem_claim (without wait, remember from idempotency.remember) would,
+ * one after another; the tokens are made durable once, before the rows
+ * leave.
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_claim_many(
 	keys			text[],
@@ -605,6 +653,7 @@ DECLARE
 	lanes integer[];
 	got bigint;
 	verdict integer;
+	rem interval;
 BEGIN
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(keys), 'keys', true, keys IS NULL);
 	PERFORM idempotency._check_array(pg_catalog.array_ndims(requests), 'requests', false, requests IS NULL);
@@ -628,6 +677,7 @@ BEGIN
 	END IF;
 	PERFORM idempotency._check_writable('idem_claim_many()');
 	role := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
+	rem := idempotency._remember_setting();
 	-- A batch of new keys, no code attached to the table, the scope allowed,
 	-- not bound to the session: the tokens drawn in order, every key's lane
 	-- locked without waiting, and the rows inserted by one statement, as
@@ -679,14 +729,14 @@ BEGIN
 			INSERT INTO idempotency.keys AS kk (scope, key, status, token, attempt,
 				fingerprint, response_code, response_body, created_at, finished_at,
 				lease_until, expires_at, retention, sweep_at, phase, phase_data,
-				owner_session)
+				owner_session, remember)
 			SELECT idem_claim_many.scope, u.key, 'pending', u.tok, 1,
 				   CASE WHEN u.req IS NOT NULL THEN
 					   pg_catalog.sha256(pg_catalog.convert_to(u.req::text,
 						   pg_catalog.getdatabaseencoding())) END,
 				   NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
 				   GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
-				   rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL
+				   rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL, rem
 			  FROM ROWS FROM (pg_catalog.unnest(k), pg_catalog.unnest(toks), pg_catalog.unnest(req))
 				   WITH ORDINALITY u(key, tok, req, i)
 			 ORDER BY u.i
@@ -717,7 +767,7 @@ BEGIN
 		w := idempotency._claim_key(who, role, k[i],
 			CASE WHEN req[i] IS NOT NULL THEN
 				pg_catalog.sha256(pg_catalog.convert_to(req[i]::text, pg_catalog.getdatabaseencoding())) END,
-			scope, lease, retention, session_bound);
+			scope, lease, retention, session_bound, rem);
 		IF w.token_lsn IS NOT NULL THEN
 			lsn := GREATEST(lsn, w.token_lsn);
 		END IF;

@@ -84,6 +84,14 @@ BEGIN
 END;
 $do$;
 
+-- versions before 1.7.0 had no p_remember (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside(
+		'idempotency._token_call(name,oid,text,text,bigint,text,integer,jsonb,text,interval,text)');
+END;
+$do$;
+
 /*
  * One token holder's call, the arguments checked: finish, extend, release
  * or checkpoint the key for the role p_who (oid p_role).  The common case
@@ -95,14 +103,16 @@ $do$;
  * 55006; the token current but another transaction holding the row:
  * 55P03, or a wait while the lease runs, see below), and no row stays
  * locked.  Returns the key's expiry (finish), the new lease end (extend),
- * or NULL.  A finish repeated with the token that finished the key answers
- * that finish's expiry and writes nothing.  No SET clause of its own: it
+ * or NULL.  A finish stores p_remember (0: not remembered) or, when it is
+ * NULL, keeps the claim's.  A finish repeated with the token that finished
+ * the key answers that finish's expiry and writes nothing.  A remembered
+ * key is past its retention: P0002, as for any such key.  No SET clause of its own: it
  * runs only inside the API functions, which pin search_path and the plan
  * cache mode (see _claim_key).
  */
 CREATE OR REPLACE FUNCTION idempotency._token_call(p_who name, p_role oid, kind text,
 	p_key text, p_token bigint, p_scope text, p_code integer, p_body jsonb,
-	p_status text, p_interval interval, p_phase text,
+	p_status text, p_interval interval, p_phase text, p_remember interval,
 	OUT result timestamptz, OUT wrote boolean)
 LANGUAGE plpgsql VOLATILE
 AS $$
@@ -167,7 +177,9 @@ BEGIN
 				   SET status = p_status, response_code = p_code,
 					   response_body = p_body, finished_at = now,
 					   lease_until = NULL, expires_at = result,
-					   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL
+					   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL,
+					   remember = CASE WHEN p_remember IS NULL THEN k.remember
+								  ELSE NULLIF(p_remember, '0'::interval) END
 				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
 				p_interval := COALESCE(p_interval, idempotency._lease_setting());
@@ -317,6 +329,16 @@ BEGIN
 END;
 $$;
 
+-- versions before 1.7.0 had no remember argument (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside(
+		'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval)');
+	PERFORM idempotency._update_set_aside(
+		'idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval)');
+END;
+$do$;
+
 CREATE OR REPLACE FUNCTION idempotency.idem_finish(
 	key				text,
 	token			bigint,
@@ -324,7 +346,8 @@ CREATE OR REPLACE FUNCTION idempotency.idem_finish(
 	response_body	jsonb		DEFAULT NULL,
 	scope			text		DEFAULT '',
 	status			text		DEFAULT 'succeeded',
-	retention		interval	DEFAULT NULL)
+	retention		interval	DEFAULT NULL,
+	remember		interval	DEFAULT NULL)
 RETURNS timestamptz
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -348,6 +371,9 @@ BEGIN
 	END IF;
 	IF retention IS NOT NULL THEN
 		PERFORM idempotency._check_positive(retention, 'retention');
+	END IF;
+	IF remember IS NOT NULL THEN
+		PERFORM idempotency._check_interval(remember, 'remember', true);
 	END IF;
 	IF pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean THEN
 		PERFORM idempotency._check_writable('idem_finish()');
@@ -388,7 +414,9 @@ BEGIN
 			   SET status = idem_finish.status, response_code = idem_finish.response_code,
 				   response_body = idem_finish.response_body, finished_at = r.now,
 				   lease_until = NULL, expires_at = result,
-				   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL
+				   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL,
+				   remember = CASE WHEN idem_finish.remember IS NULL THEN k.remember
+							  ELSE NULLIF(idem_finish.remember, '0'::interval) END
 			 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			IF FOUND THEN
 				RETURN result;
@@ -396,7 +424,7 @@ BEGIN
 		END IF;
 	END IF;
 	RETURN (idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'finish',
-		key, token, scope, response_code, response_body, status, retention, NULL)).result;
+		key, token, scope, response_code, response_body, status, retention, NULL, remember)).result;
 END;
 $$;
 
@@ -417,7 +445,7 @@ BEGIN
 	PERFORM idempotency._check_positive(lease, 'lease');
 	PERFORM idempotency._check_writable('idem_extend()');
 	RETURN (idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'extend',
-		key, token, scope, NULL, NULL, NULL, lease, NULL)).result;
+		key, token, scope, NULL, NULL, NULL, lease, NULL, NULL)).result;
 END;
 $$;
 
@@ -436,7 +464,7 @@ BEGIN
 	PERFORM idempotency._token_call_args('idem_release()', key, token, scope);
 	PERFORM idempotency._check_writable('idem_release()');
 	PERFORM idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'release',
-		key, token, scope, NULL, NULL, NULL, NULL, NULL);
+		key, token, scope, NULL, NULL, NULL, NULL, NULL, NULL);
 END;
 $$;
 
@@ -464,7 +492,7 @@ BEGIN
 	PERFORM idempotency._check_body(data, 'data');
 	PERFORM idempotency._check_writable('idem_checkpoint()');
 	PERFORM idempotency._token_call(who, pg_catalog.to_regrole(pg_catalog.quote_ident(who)), 'checkpoint',
-		key, token, scope, NULL, data, NULL, NULL, phase);
+		key, token, scope, NULL, data, NULL, NULL, phase, NULL);
 END;
 $$;
 
@@ -480,7 +508,8 @@ CREATE OR REPLACE FUNCTION idempotency.idem_finish_many(
 	response_bodies	jsonb[]		DEFAULT NULL,
 	scope			text		DEFAULT '',
 	status			text		DEFAULT 'succeeded',
-	retention		interval	DEFAULT NULL)
+	retention		interval	DEFAULT NULL,
+	remember		interval	DEFAULT NULL)
 RETURNS TABLE (ord integer, key text, expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 100 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -537,6 +566,7 @@ BEGIN
 	PERFORM idempotency._check_name(scope, 'scope', true);
 	PERFORM idempotency._check_status(status);
 	PERFORM idempotency._check_positive(retention, 'retention');
+	PERFORM idempotency._check_interval(remember, 'remember', true);
 	PERFORM idempotency._check_writable('idem_finish_many()');
 	role := pg_catalog.to_regrole(pg_catalog.quote_ident(who));
 	-- Row exclusive on the table before the store's verdict is read (see
@@ -599,7 +629,9 @@ BEGIN
 					   SET status = idem_finish_many.status, response_code = held.code,
 						   response_body = held.body, finished_at = now,
 						   lease_until = NULL, expires_at = held.expires,
-						   sweep_at = LEAST(kk.sweep_at, held.expires), owner_session = NULL
+						   sweep_at = LEAST(kk.sweep_at, held.expires), owner_session = NULL,
+						   remember = CASE WHEN idem_finish_many.remember IS NULL THEN kk.remember
+									  ELSE NULLIF(idem_finish_many.remember, '0'::interval) END
 					  FROM held
 					 WHERE kk.ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT h.tid FROM held h))
 					   AND kk.ctid OPERATOR(pg_catalog.=) held.tid
@@ -624,7 +656,7 @@ BEGIN
 			ord := i;
 			key := k[i];
 			expires_at := (idempotency._token_call(who, role, 'finish', k[i], t[i], scope,
-				c[i], b[i], status, retention, NULL)).result;
+				c[i], b[i], status, retention, NULL, remember)).result;
 			RETURN NEXT;
 		END LOOP;
 	EXCEPTION WHEN OTHERS THEN

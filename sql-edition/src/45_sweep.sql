@@ -5,8 +5,8 @@
  *
  * Mirrors sweep.c: idem_sweep locks a batch of candidate rows without
  * waiting (skipping any that another transaction is changing or locking)
- * and _sweep_rows deletes, resets or reschedules them, a statement of each
- * kind for the whole batch.  The SQL edition
+ * and _sweep_rows deletes, compacts, resets or reschedules them, a
+ * statement of each kind for the whole batch.  The SQL edition
  * has no background worker (worker.c), so the application or pg_cron
  * calls idem_sweep.
  *
@@ -20,13 +20,17 @@
 
 /*
  * Sweep the row versions "tids" (candidates locked by the caller): delete
- * those past their retention whose attempt does not run, reset pending
- * ones whose attempt ended (their tokens die), at most "max_expire" and
- * "max_reset"; with "reschedule", move the others' sweep_at to when they
- * next need a look.  A pending key our own open transaction claimed is
- * left alone.  Nothing is written where the store's verdict refuses a
- * write (_refuse_write), and nothing is refused when there is nothing to
- * write.  Returns how many were expired, reset and rescheduled.
+ * those past their retention whose attempt does not run, but compact a
+ * remembered one (its response and recovery point go, its outcome and
+ * fingerprint stay, sweep_at moves to its remember's end, which also
+ * marks it compacted), reset pending ones whose attempt ended (their
+ * tokens die), at most "max_expire" deleted or compacted and "max_reset"
+ * reset; with "reschedule", move the others' sweep_at to when they next
+ * need a look.  A pending key our own open transaction claimed is left
+ * alone.  Nothing is written where the store's verdict refuses a write
+ * (_refuse_write), and nothing is refused when there is nothing to write.
+ * Returns how many were expired (deleted or compacted: either ends a
+ * key's stored response), reset and rescheduled.
  */
 CREATE OR REPLACE FUNCTION idempotency._sweep_rows(tids tid[], now timestamptz,
 	max_expire bigint, max_reset bigint, reschedule boolean, verdict integer,
@@ -41,6 +45,7 @@ DECLARE
 	snap pg_snapshot;
 	x8 xid8;
 	del tid[] := '{}';
+	comp tid[] := '{}';
 	res tid[] := '{}';
 	later tid[] := '{}';
 	t tid;
@@ -55,7 +60,7 @@ BEGIN
 	END IF;
 	FOR c IN
 		SELECT k.ctid AS tid, k.xmin AS xmin_, k.status, k.token, k.lease_until,
-			   k.expires_at, k.owner_session
+			   k.expires_at, k.owner_session, k.sweep_at, k.remember
 		  FROM idempotency.keys k
 		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (tids)
 	LOOP
@@ -69,8 +74,18 @@ BEGIN
 			c.lease_until OPERATOR(pg_catalog.>) now AND
 			(c.owner_session IS NULL OR idempotency._session_alive(c.owner_session));
 		IF c.expires_at OPERATOR(pg_catalog.<=) now AND NOT runs THEN
-			IF expired OPERATOR(pg_catalog.<) max_expire THEN
+			IF expired OPERATOR(pg_catalog.>=) max_expire THEN
+				CONTINUE;
+			ELSIF NOT idempotency._remembered(c.status, c.expires_at, c.remember, now) THEN
 				del := del OPERATOR(pg_catalog.||) c.tid;
+				expired := expired OPERATOR(pg_catalog.+) 1;
+			ELSIF c.sweep_at OPERATOR(pg_catalog.>) c.expires_at THEN
+				-- compacted already, when its retention passed
+				IF reschedule THEN
+					later := later OPERATOR(pg_catalog.||) c.tid;
+				END IF;
+			ELSE
+				comp := comp OPERATOR(pg_catalog.||) c.tid;
 				expired := expired OPERATOR(pg_catalog.+) 1;
 			END IF;
 		ELSIF c.status OPERATOR(pg_catalog.=) 'pending' AND c.token IS NOT NULL AND NOT runs THEN
@@ -83,7 +98,8 @@ BEGIN
 		END IF;
 	END LOOP;
 	IF verdict OPERATOR(pg_catalog.<>) 0 AND pg_catalog.cardinality(del) OPERATOR(pg_catalog.+)
-	   pg_catalog.cardinality(res) OPERATOR(pg_catalog.+) pg_catalog.cardinality(later) OPERATOR(pg_catalog.>) 0 THEN
+	   pg_catalog.cardinality(comp) OPERATOR(pg_catalog.+) pg_catalog.cardinality(res)
+	   OPERATOR(pg_catalog.+) pg_catalog.cardinality(later) OPERATOR(pg_catalog.>) 0 THEN
 		PERFORM idempotency._refuse_write(verdict);
 	END IF;
 	-- A row a trigger or rule keeps from being written (a BEFORE trigger
@@ -102,6 +118,16 @@ BEGIN
 			expired := expired OPERATOR(pg_catalog.+) n;
 			PERFORM idempotency._settings_restore(saved);
 		END LOOP;
+		FOREACH t IN ARRAY comp LOOP
+			saved := idempotency._settings_save();
+			UPDATE idempotency.keys k
+			   SET response_body = NULL, phase = NULL, phase_data = NULL,
+				   sweep_at = k.expires_at OPERATOR(pg_catalog.+) k.remember
+			 WHERE k.ctid OPERATOR(pg_catalog.=) t;
+			GET DIAGNOSTICS n = ROW_COUNT;
+			expired := expired OPERATOR(pg_catalog.+) n;
+			PERFORM idempotency._settings_restore(saved);
+		END LOOP;
 		FOREACH t IN ARRAY res LOOP
 			saved := idempotency._settings_save();
 			UPDATE idempotency.keys k
@@ -116,7 +142,10 @@ BEGIN
 			UPDATE idempotency.keys k
 			   SET sweep_at = CASE WHEN k.status OPERATOR(pg_catalog.=) 'pending' AND k.token IS NOT NULL
 									AND k.lease_until OPERATOR(pg_catalog.>) now
-								   THEN k.lease_until ELSE k.expires_at END
+								   THEN k.lease_until
+								   WHEN idempotency._remembered(k.status, k.expires_at, k.remember, now)
+								   THEN k.expires_at OPERATOR(pg_catalog.+) k.remember
+								   ELSE k.expires_at END
 			 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 			GET DIAGNOSTICS n = ROW_COUNT;
 			rescheduled := rescheduled OPERATOR(pg_catalog.+) n;
@@ -124,9 +153,18 @@ BEGIN
 		END LOOP;
 		RETURN;
 	END IF;
+	expired := 0;
 	IF pg_catalog.cardinality(del) OPERATOR(pg_catalog.>) 0 THEN
 		DELETE FROM idempotency.keys k WHERE k.ctid OPERATOR(pg_catalog.=) ANY (del);
 		GET DIAGNOSTICS expired = ROW_COUNT;
+	END IF;
+	IF pg_catalog.cardinality(comp) OPERATOR(pg_catalog.>) 0 THEN
+		UPDATE idempotency.keys k
+		   SET response_body = NULL, phase = NULL, phase_data = NULL,
+			   sweep_at = k.expires_at OPERATOR(pg_catalog.+) k.remember
+		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (comp);
+		GET DIAGNOSTICS n = ROW_COUNT;
+		expired := expired OPERATOR(pg_catalog.+) n;
 	END IF;
 	IF pg_catalog.cardinality(res) OPERATOR(pg_catalog.>) 0 THEN
 		UPDATE idempotency.keys k
@@ -140,7 +178,10 @@ BEGIN
 		UPDATE idempotency.keys k
 		   SET sweep_at = CASE WHEN k.status OPERATOR(pg_catalog.=) 'pending' AND k.token IS NOT NULL
 								AND k.lease_until OPERATOR(pg_catalog.>) now
-							   THEN k.lease_until ELSE k.expires_at END
+							   THEN k.lease_until
+							   WHEN idempotency._remembered(k.status, k.expires_at, k.remember, now)
+							   THEN k.expires_at OPERATOR(pg_catalog.+) k.remember
+							   ELSE k.expires_at END
 		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (later);
 		GET DIAGNOSTICS rescheduled = ROW_COUNT;
 	END IF;
@@ -148,9 +189,10 @@ END;
 $$;
 
 /*
- * Delete keys past their retention and reset pending keys whose lease
- * ended (or whose session ended), at most batch_size of each kind; keys
- * found before their time are rescheduled on the way.  Never waits: rows
+ * Delete keys past their retention (compact the remembered ones) and reset
+ * pending keys whose lease ended (or whose session ended), at most
+ * batch_size of each kind; keys found before their time are rescheduled on
+ * the way.  Never waits: rows
  * that others are changing or locking are skipped (FOR NO KEY UPDATE SKIP
  * LOCKED, which also reads the newest committed version of each).
  */

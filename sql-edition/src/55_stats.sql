@@ -48,15 +48,25 @@ $$;
 
 REVOKE ALL ON FUNCTION idempotency.stats_reset() FROM PUBLIC;
 
+-- versions before 1.7.0 had no remembered column (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside('idempotency.stats_key_counts()', 'remembered');
+END;
+$do$;
+
 /*
- * This database's keys by status: counted exactly while the table is small
- * (idempotency.stats_exact_limit blocks, 1024 unless set; -1 always),
- * estimated from the planner's statistics above.  Only for a role that may
- * read the stats view.
+ * This database's live keys by status, and its remembered keys: counted
+ * exactly while the table is small (idempotency.stats_exact_limit blocks,
+ * 1024 unless set; -1 always), estimated from the planner's statistics
+ * above.  The estimate counts the share of rows whose expires_at the
+ * histogram of ANALYZE puts before now as remembered (on a swept table
+ * they are), and splits the rest by each status's share among the most
+ * common values.  Only for a role that may read the stats view.
  */
 CREATE OR REPLACE FUNCTION idempotency.stats_key_counts(
 	OUT pending bigint, OUT succeeded bigint, OUT failed bigint,
-	OUT exact boolean)
+	OUT exact boolean, OUT remembered bigint)
 RETURNS record
 LANGUAGE plpgsql VOLATILE PARALLEL SAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -68,6 +78,10 @@ DECLARE
 	tuples double precision;
 	pages double precision;
 	s record;
+	now timestamptz := pg_catalog.clock_timestamp();
+	bounds timestamptz[];
+	below integer := 0;
+	past double precision := 0;
 BEGIN
 	IF pg_catalog.to_regclass('idempotency.stats') IS NULL THEN
 		RAISE EXCEPTION 'relation "idempotency.stats" does not exist' USING ERRCODE = '42P01';
@@ -79,12 +93,16 @@ BEGIN
 	blocks := pg_catalog.pg_relation_size('idempotency.keys'::regclass) OPERATOR(pg_catalog./)
 		pg_catalog.current_setting('block_size')::bigint;
 	IF lim OPERATOR(pg_catalog.<) 0 OR blocks OPERATOR(pg_catalog.<=) lim THEN
-		SELECT pg_catalog.count(*) FILTER (WHERE k.status OPERATOR(pg_catalog.=) 'pending'),
-			   pg_catalog.count(*) FILTER (WHERE k.status OPERATOR(pg_catalog.=) 'succeeded'),
-			   pg_catalog.count(*) FILTER (WHERE k.status OPERATOR(pg_catalog.=) 'failed')
-		  INTO pending, succeeded, failed
-		  FROM idempotency.keys k
-		 WHERE k.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp();
+		SELECT pg_catalog.count(*) FILTER (WHERE k.status OPERATOR(pg_catalog.=) 'pending'
+												AND k.expires_at OPERATOR(pg_catalog.>) now),
+			   pg_catalog.count(*) FILTER (WHERE k.status OPERATOR(pg_catalog.=) 'succeeded'
+												AND k.expires_at OPERATOR(pg_catalog.>) now),
+			   pg_catalog.count(*) FILTER (WHERE k.status OPERATOR(pg_catalog.=) 'failed'
+												AND k.expires_at OPERATOR(pg_catalog.>) now),
+			   pg_catalog.count(*) FILTER (WHERE k.status OPERATOR(pg_catalog.=) ANY (ARRAY['succeeded', 'failed'])
+												AND idempotency._remembered(k.status, k.expires_at, k.remember, now))
+		  INTO pending, succeeded, failed, remembered
+		  FROM idempotency.keys k;
 		exact := true;
 		RETURN;
 	END IF;
@@ -100,6 +118,27 @@ BEGIN
 		RETURN;
 	END IF;
 	tuples := tuples OPERATOR(pg_catalog./) pages OPERATOR(pg_catalog.*) blocks;
+	-- the histogram's bounds split the non-null rows into equal parts
+	SELECT st.histogram_bounds::text::timestamptz[] INTO bounds
+	  FROM pg_catalog.pg_stats st
+	 WHERE st.schemaname OPERATOR(pg_catalog.=) 'idempotency'
+	   AND st.tablename OPERATOR(pg_catalog.=) 'keys'
+	   AND st.attname OPERATOR(pg_catalog.=) 'expires_at' AND NOT st.inherited;
+	IF pg_catalog.cardinality(bounds) OPERATOR(pg_catalog.>) 0 THEN
+		WHILE below OPERATOR(pg_catalog.<) pg_catalog.cardinality(bounds) AND
+			  bounds[below OPERATOR(pg_catalog.+) 1] OPERATOR(pg_catalog.<=) now LOOP
+			below := below OPERATOR(pg_catalog.+) 1;
+		END LOOP;
+		IF pg_catalog.cardinality(bounds) OPERATOR(pg_catalog.>) 1 THEN
+			past := GREATEST(below OPERATOR(pg_catalog.-) 1, 0)::double precision OPERATOR(pg_catalog./)
+				(pg_catalog.cardinality(bounds) OPERATOR(pg_catalog.-) 1);
+		END IF;
+		IF below OPERATOR(pg_catalog.=) pg_catalog.cardinality(bounds) THEN
+			past := 1;
+		END IF;
+	END IF;
+	remembered := pg_catalog.round(tuples OPERATOR(pg_catalog.*) past);
+	tuples := tuples OPERATOR(pg_catalog.-) tuples OPERATOR(pg_catalog.*) past;
 	pending := 0; succeeded := 0; failed := 0;
 	FOR i IN 1..COALESCE(pg_catalog.cardinality(s.v), 0) LOOP
 		CASE s.v[i]
@@ -118,7 +157,7 @@ SELECT d.datname AS database,
 	   c.finishes, c.releases, c.expired, c.reset,
 	   c.last_sweep_at, c.last_sweep_ms,
 	   k.pending, k.succeeded, k.failed, k.exact AS key_counts_exact,
-	   c.checkpoints
+	   c.checkpoints, k.remembered
   FROM pg_catalog.pg_database d
   LEFT JOIN idempotency.stats_counters() c
 	ON c.dbid OPERATOR(pg_catalog.=) d.oid

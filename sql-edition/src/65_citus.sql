@@ -40,6 +40,13 @@ END;
 $$;
 REVOKE ALL ON FUNCTION idempotency.distribute(integer) FROM PUBLIC;
 
+-- versions before 1.7.0 had no remembered column (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside('idempotency.cluster_stats_rows()', 'remembered');
+END;
+$do$;
+
 /* This server's row of the stats view (the SQL edition runs without Citus). */
 CREATE OR REPLACE FUNCTION idempotency.cluster_stats_rows()
 RETURNS TABLE (node text, database name, claims bigint, takeovers bigint,
@@ -48,7 +55,7 @@ RETURNS TABLE (node text, database name, claims bigint, takeovers bigint,
 			   reset bigint, last_sweep_at timestamptz,
 			   last_sweep_ms double precision, pending bigint,
 			   succeeded bigint, failed bigint, key_counts_exact boolean,
-			   checkpoints bigint)
+			   checkpoints bigint, remembered bigint)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$

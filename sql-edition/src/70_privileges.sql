@@ -7,10 +7,25 @@
  * DEFINER and take no identity from an argument (15_tenant.sql); every
  * helper (a name that starts with "_") runs only inside them, so PUBLIC
  * may execute none of them, and the helpers of older versions, whose
- * workers took the caller's role as an argument, are dropped.
+ * workers took the caller's role as an argument, are dropped.  An API
+ * function whose arguments or result columns changed keeps the owner and
+ * privileges of the one it replaces (01_update.sql).
  *
  *-------------------------------------------------------------------------
  */
+
+/*
+ * The API functions that the parts created anew take over the owner and
+ * privileges of the older versions' they replace, which go; the update's
+ * helpers are needed only while the script runs.
+ */
+DO $do$
+BEGIN
+	PERFORM idempotency._update_take_over();
+END;
+$do$;
+DROP FUNCTION idempotency._update_set_aside(text, text);
+DROP FUNCTION idempotency._update_take_over();
 
 /*
  * Versions up to 1.6.4 had owner-rights workers that PUBLIC could call
