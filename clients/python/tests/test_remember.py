@@ -179,11 +179,11 @@ def test_a_bad_remember_or_on_expired_is_refused_at_once(pool: ConnectionPool,
     with pytest.raises(ValueError, match="remember must be 0 or more seconds"):
         idempotent(pool, key, remember=-1)
     with pytest.raises(TypeError, match="remember must be seconds or a timedelta"):
-        idempotent(pool, key, remember="a day")  # type: ignore[arg-type]
+        idempotent(pool, key, remember="a day")  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="remember must be 0 or more seconds"):
         idempotent_job(pool, key=lambda k: k, remember=dt.timedelta(seconds=-1))
     with pytest.raises(TypeError, match="on_expired must be callable"):
-        idempotent(pool, key, on_expired="log it")  # type: ignore[arg-type]
+        idempotent(pool, key, on_expired="log it")  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="remember must be 0 or more seconds"):
         IdempotencyMiddleware(make_app, pool=None, remember=-5)  # type: ignore[arg-type]
 
