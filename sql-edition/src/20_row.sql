@@ -140,6 +140,13 @@ EXCEPTION WHEN OTHERS THEN
 END;
 $$;
 
+-- versions before 1.7.0 returned no remember (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside('idempotency._probe(text,text)', 'remember');
+END;
+$do$;
+
 /*
  * Read one key at its newest committed state, as a claim must judge it,
  * without waiting and without locking anything.  The SQL edition has no
@@ -164,13 +171,6 @@ $$;
  * A key another transaction is inserting is invisible here; its claim's
  * insert finds it (the unique check) and answers in_progress.
  */
--- versions before 1.7.0 returned no remember (01_update.sql)
-DO $do$
-BEGIN
-	PERFORM idempotency._update_set_aside('idempotency._probe(text,text)', 'remember');
-END;
-$do$;
-
 CREATE OR REPLACE FUNCTION idempotency._probe(p_scope text, p_key text,
 	OUT present boolean, OUT busy boolean, OUT mine boolean, OUT tid tid,
 	OUT status text, OUT token bigint, OUT attempt integer, OUT fingerprint bytea,

@@ -47,7 +47,7 @@ $do$;
  * One claim of (p_scope, p_key) for the role p_who (its oid p_role), the
  * arguments checked: answered from one read of the key, its binding and
  * the store's verdict when that read can answer (a replay, a mismatch, a
- * remembered key, a live claim of another attempt: no lock, no
+ * remembered key's expired, a live claim of another attempt: no lock, no
  * subtransaction), written otherwise:
  *   - a new key: its lane locked without waiting (key_lanes: a lane another
  *     transaction holds answers in_progress), then one INSERT ... ON
@@ -347,24 +347,6 @@ BEGIN
 END;
 $$;
 
-/*
- * idem_claim: check the arguments, claim, and with "wait" wait until the
- * attempt in flight settles or its lease ends.  Most calls of a busy key
- * are answered by its first statement alone: with plain arguments, one
- * query reads the key, the caller's binding and the store's verdict and
- * answers a replay, a mismatch or a live claim of another attempt (without
- * "wait") when the key's newest version is committed and untouched
- * (xmax = 0), the row sound, the scope allowed and not past retention, or
- * past retention a remembered key's expired or mismatch.  Everything else (a new or expired key, a takeover, a row being changed,
- * a claim of this transaction, a refusal, a bad argument) takes the full
- * path below, which decides again from scratch.  A key another transaction
- * holds (a claim, takeover, finish, release or sweep not committed yet) is
- * waited for as PostgreSQL waits for that transaction, on the row's lock
- * or the key's lane's, so the wait ends when that transaction (or the
- * savepoint it made the change in) does.  A key held by an attempt whose
- * claim committed is polled, 1 ms at first, backing off to 10 ms, and
- * never past the lease's end.
- */
 -- versions before 1.7.0 had no remember argument (01_update.sql)
 DO $do$
 BEGIN
@@ -373,6 +355,24 @@ BEGIN
 END;
 $do$;
 
+/*
+ * idem_claim: check the arguments, claim, and with "wait" wait until the
+ * attempt in flight settles or its lease ends.  Most calls of a busy key
+ * are answered by its first statement alone: with plain arguments, one
+ * query reads the key, the caller's binding and the store's verdict and
+ * answers a replay, a mismatch or a live claim of another attempt (without
+ * "wait") when the key's newest version is committed and untouched
+ * (xmax = 0), the row sound, the scope allowed and not past retention.
+ * Everything else (a new, expired or remembered key, a takeover, a row
+ * being changed, a claim of this transaction, a refusal, a bad argument)
+ * takes the full path below, which decides again from scratch.  A key another transaction
+ * holds (a claim, takeover, finish, release or sweep not committed yet) is
+ * waited for as PostgreSQL waits for that transaction, on the row's lock
+ * or the key's lane's, so the wait ends when that transaction (or the
+ * savepoint it made the change in) does.  A key held by an attempt whose
+ * claim committed is polled, 1 ms at first, backing off to 10 ms, and
+ * never past the lease's end.
+ */
 CREATE OR REPLACE FUNCTION idempotency.idem_claim(
 	key			text,
 	request		jsonb		DEFAULT NULL,
@@ -421,24 +421,21 @@ BEGIN
 			pg_catalog.to_regclass('idempotency.keys') IS NULL OR
 			pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL) THEN
 		-- One read answers, or says nothing (the full path then decides).
-		-- A replay, a mismatch or a remembered key's expired is answered
-		-- from a version nobody locked (xmax 0) or only its own writer,
-		-- which has ended or is this transaction (xmax = xmin: a token call
-		-- locks the row it then updates, and the new version keeps that
-		-- lock); a live claim only from a version nobody locked.  The
-		-- remember column is read only for a key past its retention.
+		-- A replay or a mismatch is answered from a version nobody locked
+		-- (xmax 0) or only its own writer, which has ended or is this
+		-- transaction (xmax = xmin: a token call locks the row it then
+		-- updates, and the new version keeps that lock); a live claim only
+		-- from a version nobody locked.  A key past its retention, remembered
+		-- or not, is the full path's, so that this query's plan stays that
+		-- of a key without remember.
 		SELECT CASE
 				 WHEN v.verdict IS NULL OR v.refused THEN NULL
 				 WHEN k.ctid IS NULL THEN
 					  CASE WHEN v.verdict OPERATOR(pg_catalog.=) 0 AND NOT idem_claim.session_bound
 						   THEN 'fresh' END
-				 WHEN pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 OR
+				 WHEN k.expires_at OPERATOR(pg_catalog.<=) v.now OR
+					  pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.<>) 32 OR
 					  (k.xmax OPERATOR(pg_catalog.<>) '0'::xid AND k.xmax OPERATOR(pg_catalog.<>) k.xmin) THEN NULL
-				 WHEN k.expires_at OPERATOR(pg_catalog.<=) v.now THEN
-					  CASE WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['succeeded', 'failed']) AND
-								idempotency._remembered(k.status, k.expires_at, k.remember, v.now)
-						   THEN CASE WHEN k.fingerprint IS DISTINCT FROM v.fp THEN 'mismatch'
-									 ELSE 'expired' END END
 				 WHEN k.fingerprint IS DISTINCT FROM v.fp THEN
 					  CASE WHEN k.status OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'succeeded', 'failed'])
 						   THEN 'mismatch' END
@@ -474,10 +471,6 @@ BEGIN
 		IF w.outcome OPERATOR(pg_catalog.=) 'replay' THEN
 			RETURN NEXT ROW('replay', NULL, NULL, w.status, w.response_code,
 				w.response_body, NULL, NULL, NULL)::idempotency.claim_result;
-			RETURN;
-		ELSIF w.outcome OPERATOR(pg_catalog.=) 'expired' THEN
-			RETURN NEXT ROW('expired', NULL, NULL, w.status, w.response_code,
-				NULL, NULL, NULL, NULL)::idempotency.claim_result;
 			RETURN;
 		ELSIF w.outcome OPERATOR(pg_catalog.=) 'fresh' THEN
 			-- A new key, no code attached to the table: the token, the
