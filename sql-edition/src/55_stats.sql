@@ -138,7 +138,7 @@ BEGIN
 		END IF;
 	END IF;
 	remembered := pg_catalog.round(tuples OPERATOR(pg_catalog.*) past);
-	tuples := tuples OPERATOR(pg_catalog.-) tuples OPERATOR(pg_catalog.*) past;
+	tuples := tuples OPERATOR(pg_catalog.-) (tuples OPERATOR(pg_catalog.*) past);
 	pending := 0; succeeded := 0; failed := 0;
 	FOR i IN 1..COALESCE(pg_catalog.cardinality(s.v), 0) LOOP
 		CASE s.v[i]
