@@ -4,14 +4,21 @@
 Several worker processes, each with connections of its own, draw calls of
 every SQL function of the extension with Hypothesis (idem_claim, idem_finish,
 idem_extend, idem_release, idem_checkpoint, idem_claim_many,
-idem_finish_many, idem_lookup, idem_sweep, idem_version, stats_reset,
-bind_scope, unbind_scope, distribute, the stats and cluster_stats views):
+idem_finish_many, idem_lookup, idem_forget, idem_sweep, idem_version,
+stats_reset, bind_scope, unbind_scope, distribute, the stats and
+cluster_stats views), remember among the intervals of the claim and the two
+finishes:
 NULLs, empty and 254..256-character keys, odd Unicode (combining marks,
 right-to-left marks, emoji, U+FFFF, U+10FFFF), NUL and invalid UTF-8 sent as
 bytes, zero, negative, sub-microsecond, over-10,000-year and infinite
 intervals, huge and deeply nested jsonb, arrays with NULLs, of mismatched
 lengths or of two dimensions, the keys' real and stale tokens next to random
-and extreme ones (0, -1, 2^63-1, -2^63), keys in every state.  Each call runs
+and extreme ones (0, -1, 2^63-1, -2^63), keys in every state (remembered
+ones too: finished with remember, then aged past their retention by the
+superuser, compacted by a sweep or not yet, or past their remember as
+well).  Half of the workers' sessions set idempotency.remember, so that
+claims without the argument and idem_claim_many remember their keys too.
+idem_forget is also called as fuzz_plain, a role without the grant.  Each call runs
 in one of: autocommit, an explicit transaction (committed or rolled back), a
 READ ONLY transaction, a savepoint rolled back to, a transaction with a 1-5 ms
 statement_timeout, a REPEATABLE READ transaction.
@@ -25,17 +32,29 @@ Properties:
      changed no row of the keys it names, in the worker's own scope (no
      other worker touches it; the background worker may, and what it may do
      is told apart: delete a key past its retention, reset a pending one's
-     token, move sweep_at);
+     token, compact a remembered key (its response and recovery point go,
+     the rest stays), move sweep_at);
   P4 in a READ ONLY transaction every function that writes fails, with
      25006 unless its arguments are bad (they are checked first);
-  P5 (--amcheck) idempotency.keys and its indexes pass amcheck.
+  P5 (--amcheck) idempotency.keys and its indexes pass amcheck;
+  P6 the answers agree with the API reference and with the keys of the
+     worker's own scope: a claim's outcome is one of the five documented,
+     an expired one has only status and response_code filled and names a
+     finished key remembered past its retention; idem_lookup shows a key
+     past its retention only while it is remembered, and then without its
+     response and phase; idem_forget answers true or false, true only for
+     a key finished before the call and absent after it, false never for a
+     key that was live or remembered all through the call, 55000 only for
+     a pending one; fuzz_plain is always refused;
+  P7 a remember that is negative or longer than 10000 years is refused.
 
 Each worker records a failure and goes on instead of raising: the table
 moves under the test, so a shrunk example would not replay the same state.
 The time budget (--minutes) decides how long it runs; the summary counts
 calls and errors per function, properties checked and failures, and the exit
-status is 1 on any failure.  Connects as fuzz_app / fuzz_tenant (made by
-test/fuzz/setup.sql) and as postgres to read the table.
+status is 1 on any failure.  Connects as fuzz_app / fuzz_tenant and
+fuzz_plain (made by test/fuzz/setup.sql) and as postgres to read the table
+and to age the remembered keys.
 """
 
 import argparse
@@ -72,6 +91,7 @@ ALLOWED = {
     "idem_release": BAD_ARGS | TOKEN_STATES | {"42501"},
     "idem_checkpoint": BAD_ARGS | TOKEN_STATES | {"54000", "42501"},
     "idem_lookup": BAD_ARGS | {"42501"},
+    "idem_forget": BAD_ARGS | {"55000", "55P03", "42501"},
     "idem_sweep": {"22023", "42501"},
     "idem_version": set(),
     "stats": set(),
@@ -85,10 +105,18 @@ ALLOWED = {
 # What a bound tenant may always meet: a scope outside its prefix, or a
 # function not granted to it.
 TENANT_ONLY = {"42501"}
+# The functions each role calls without EXECUTE on them: 42501 always.
+# fuzz_app has EXECUTE on every function; the tenant has idem_forget, so
+# that its calls reach the tenant binding; fuzz_plain calls only idem_forget.
+NOT_GRANTED = {
+    "fuzz_app": set(),
+    "fuzz_tenant": {"bind_scope", "unbind_scope", "stats_reset", "distribute", "idem_sweep"},
+    "fuzz_plain": {"idem_forget"},
+}
 # Functions that write: refused in a READ ONLY transaction (P4).  Not
 # stats_reset: it zeroes only shared-memory counters, as pg_stat_reset does.
 WRITERS = {"idem_claim", "idem_claim_many", "idem_finish", "idem_finish_many",
-           "idem_extend", "idem_release", "idem_checkpoint", "idem_sweep",
+           "idem_extend", "idem_release", "idem_checkpoint", "idem_forget", "idem_sweep",
            "bind_scope", "unbind_scope", "distribute"}
 # They read through the snapshot, or no table: no serialization failure.
 READERS = {"idem_lookup", "idem_version", "stats", "cluster_stats", "stats_reset"}
@@ -98,7 +126,18 @@ CONNECTION_LOST = {"57P01", "57P02", "57P03", "08006", "08003", "08000"}
 FUNCTIONS = sorted(ALLOWED)
 STATES = ["pending", "lease-ended", "checkpointed", "succeeded", "failed",
           "released", "retention-passed", "session-live", "session-ended",
-          "claimed-in-batch"]
+          "claimed-in-batch", "remembered-compacted", "remembered", "remember-passed"]
+# The remembered keys' states: the request they were claimed with (a
+# JSON_KINDS choice), their remember, how long ago their retention passed
+# (moved back by the superuser), and whether a sweep compacts them at once
+# (the background worker compacts "remembered" within a second or so, too;
+# until then its response and recovery point are still stored).
+# "remember-passed" is absent: its remember ended too.
+REMEMBERED_STATES = {
+    "remembered-compacted": ("null-sql", "1 day", "1 second", True),
+    "remembered": ("null-sql", "1 day", "1 second", False),
+    "remember-passed": ("small", "1 second", "1 hour", False),
+}
 CONTEXTS = ["autocommit", "commit", "rollback", "readonly", "savepoint",
             "timeout", "repeatable_read"]
 OMIT = object()  # an argument left out: its default applies
@@ -129,6 +168,8 @@ key_choice = st.one_of(
     st.tuples(st.just("own"), st.integers(0, 1000)),
     st.tuples(st.just("own"), st.integers(0, 1000)),
     st.tuples(st.just("own"), st.integers(0, 1000)),
+    # the remembered ones once more: few calls would meet them otherwise
+    st.tuples(st.just("own"), st.sampled_from([STATES.index(s) for s in REMEMBERED_STATES])),
     st.tuples(st.just("shared"), st.integers(0, 7)),
     st.tuples(st.just("new"), texts),
     st.just(("null",)),
@@ -153,6 +194,16 @@ INTERVALS = ["1 millisecond", "1 microsecond", "0.4 microseconds", "0", "-1 seco
 # past the argument checks to the keys
 SANE_INTERVALS = ["1 hour", "30 seconds", "1 millisecond", "1 day"]
 interval = st.one_of(st.just(None), st.sampled_from(INTERVALS), st.sampled_from(SANE_INTERVALS))
+# remember takes 0 (off) besides; a long one next to a retention of a
+# millisecond makes a key remembered within the run
+remembers = st.one_of(st.just(None), st.sampled_from(INTERVALS),
+                      st.sampled_from(["0", "1 day", "1 hour", "1 second"]))
+# the remembers that must be refused (22023) as sent: negative, or longer than
+# 10000 years ("infinity" is sent as itself from PostgreSQL 17 on only, and
+# "-1 hour" stands in for "-infinity" before)
+BAD_REMEMBERS = {"-1 second", "-177000000 years", "10001 years", "177000000 years",
+                 "infinity", "-infinity", "-1 hour"}
+CLAIM_OUTCOMES = {"claimed", "replay", "in_progress", "mismatch", "expired"}
 # a wait never longer than 50 ms: a worker must not sit on a shared key's lease
 waits = st.one_of(st.just(None), st.sampled_from(
     ["0", "1 millisecond", "50 milliseconds", "-1 second", "-infinity"]))
@@ -186,11 +237,11 @@ CALLS = {
     "idem_claim": st.fixed_dictionaries({
         "key": key_choice, "request": arg(jsonb), "scope": arg(scope_choice),
         "lease": arg(interval), "retention": arg(interval), "wait": arg(waits),
-        "session_bound": arg(bools)}),
+        "session_bound": arg(bools), "remember": arg(remembers)}),
     "idem_finish": st.fixed_dictionaries({
         "key": key_choice, "token": token_choice, "response_code": arg(int4),
         "response_body": arg(jsonb), "scope": arg(scope_choice), "status": arg(statuses),
-        "retention": arg(interval)}),
+        "retention": arg(interval), "remember": arg(remembers)}),
     "idem_extend": st.fixed_dictionaries({
         "key": key_choice, "token": token_choice, "lease": arg(interval),
         "scope": arg(scope_choice)}),
@@ -206,8 +257,13 @@ CALLS = {
     "idem_finish_many": st.fixed_dictionaries({
         "keys": batch(key_choice), "tokens": batch(token_choice),
         "response_codes": arg(batch(int4)), "response_bodies": arg(batch(jsonb)),
-        "scope": arg(scope_choice), "status": arg(statuses), "retention": arg(interval)}),
+        "scope": arg(scope_choice), "status": arg(statuses), "retention": arg(interval),
+        "remember": arg(remembers)}),
     "idem_lookup": st.fixed_dictionaries({"key": key_choice, "scope": arg(scope_choice)}),
+    # as_plain: called as fuzz_plain, which has no EXECUTE on it
+    "idem_forget": st.fixed_dictionaries({
+        "key": key_choice, "scope": arg(scope_choice),
+        "as_plain": st.sampled_from([False, False, False, False, True])}),
     "idem_sweep": st.fixed_dictionaries({"batch_size": arg(st.one_of(
         st.just(None), st.sampled_from([0, -1, 1, 10, 1000, 2**31 - 1])))}),
     "idem_version": st.just({}),
@@ -228,7 +284,8 @@ CALLS = {
 # the key functions are drawn more often than the rest
 WEIGHTED = (["idem_claim"] * 6 + ["idem_finish"] * 5 + ["idem_extend"] * 3 +
             ["idem_release"] * 3 + ["idem_checkpoint"] * 3 + ["idem_claim_many"] * 3 +
-            ["idem_finish_many"] * 3 + ["idem_lookup"] * 2 + ["idem_sweep"] +
+            ["idem_finish_many"] * 3 + ["idem_lookup"] * 2 + ["idem_forget"] * 3 +
+            ["idem_sweep"] +
             [f for f in FUNCTIONS if not f.startswith("idem_")] + ["idem_version"])
 call_strategy = st.sampled_from(WEIGHTED).flatmap(
     lambda fn: st.tuples(st.just(fn), CALLS[fn]))
@@ -280,6 +337,8 @@ class Worker:
         self.conn = self.connect(self.role)
         self.su = self.connect("postgres")   # reads the table for P3
         self.side = self.connect(self.role)  # holds live session-bound claims
+        self.plain = self.connect("fuzz_plain")  # calls idem_forget without the grant
+        self.acting = self.role  # the role of the call being run
         self.max_size = self.response_limit()
         self.pg_version = self.su.execute("SHOW server_version_num").fetchone()[0]
         self.tokens = {}         # (scope, key) -> [tokens, newest last]
@@ -288,6 +347,7 @@ class Worker:
         self.calls = collections.Counter()
         self.ok = collections.Counter()
         self.errors = collections.defaultdict(collections.Counter)
+        self.outcomes = collections.defaultdict(collections.Counter)
         self.contexts = collections.Counter()
         self.checked = collections.Counter()
         self.failures = []       # the first of each kind, with its call
@@ -302,13 +362,18 @@ class Worker:
         return int(row[0]) * mult
 
     def connect(self, user):
+        # no drawn call waits longer than 50 ms: one that still runs after a
+        # minute is a finding (57014 outside a timed transaction), not a hung run
+        options = "-c statement_timeout=60s"
+        if user == self.role and self.idx % 2 == 1:
+            # claims without a remember argument take the setting, and
+            # idem_claim_many has no argument: half of the workers remember
+            # such keys for an hour, the other half not at all (the default)
+            options += " -c idempotency.remember=3600"
         conn = psycopg.connect(host=self.opts.host, port=self.opts.port,
                                dbname=self.opts.dbname, user=user, autocommit=True,
                                application_name=f"fuzz-properties-{self.idx}",
-                               # no drawn call waits longer than 50 ms: one that
-                               # still runs after a minute is a finding (57014
-                               # outside a timed transaction), not a hung run
-                               options="-c statement_timeout=60s")
+                               options=options)
         # times past year 9999 (a retention of 9999 years) are valid in
         # PostgreSQL and not in Python, and a 10,000-level jsonb is too deep
         # for Python's json: results are read as text
@@ -336,6 +401,12 @@ class Worker:
             elif state == "claimed-in-batch":
                 tok = c.execute("SELECT token FROM idempotency.idem_claim_many(%s, scope => %s)",
                                 ([k], s)).fetchone()[0]
+            elif state in REMEMBERED_STATES:
+                # with the request a drawn claim sends most often (none),
+                # or the most frequent payload ("small"), so that drawn
+                # claims meet it as expired, not only as mismatch
+                request = json_text(REMEMBERED_STATES[state][0], self.max_size)
+                tok = self.claim_token(c, k, "'1 hour'", False, request)
             else:
                 lease = "'1 millisecond'" if state == "lease-ended" else "'1 hour'"
                 tok = self.claim_token(c, k, lease, False)
@@ -351,12 +422,41 @@ class Worker:
             elif state == "retention-passed":
                 c.execute("SELECT idempotency.idem_finish(%s, %s, scope => %s, "
                           "retention => '1 millisecond')", (k, tok, s))
+            elif state in REMEMBERED_STATES:
+                self.age_remembered(k, tok, *REMEMBERED_STATES[state][1:])
         self.own = keys
 
-    def claim_token(self, conn, key, lease, bound):
+    def age_remembered(self, key, token, remember, age, compact):
+        """Finish own key <key> (with a recovery point and a response, which
+        a compaction drops) to be remembered for <remember>, then move all
+        of its times back so that its retention passed <age> ago: the row a
+        key finished that long ago has, due for the sweep.  With <compact>,
+        sweep until a sweep compacted it (a compacted row's sweep_at is past
+        its expires_at); a few tries, since a sweep takes a batch of the
+        due keys at a time and skips busy ones."""
+        c, s = self.conn, self.own_scope
+        c.execute("SELECT idempotency.idem_checkpoint(%s, %s, 'step-1', '{\"id\": 1}', %s)",
+                  (key, token, s))
+        c.execute("SELECT idempotency.idem_finish(%s, %s, 201, '{\"kept\": true}', %s, "
+                  "remember => %s::interval)", (key, token, s, remember))
+        self.su.execute(
+            "UPDATE idempotency.keys k SET created_at = k.created_at - d.shift,"
+            " finished_at = k.finished_at - d.shift, lease_until = k.lease_until - d.shift,"
+            " expires_at = k.expires_at - d.shift, sweep_at = k.expires_at - d.shift"
+            " FROM (SELECT k2.expires_at - pg_catalog.clock_timestamp() + %s::interval"
+            "       AS shift FROM idempotency.keys k2 WHERE k2.scope = %s AND k2.key = %s) d"
+            " WHERE k.scope = %s AND k.key = %s", (age, s, key, s, key))
+        for _ in range(5 if compact else 0):
+            self.su.execute("SELECT * FROM idempotency.idem_sweep()")
+            if self.su.execute("SELECT sweep_at > expires_at FROM idempotency.keys"
+                               " WHERE scope = %s AND key = %s", (s, key)).fetchone() != (False,):
+                break
+
+    def claim_token(self, conn, key, lease, bound, request='{"n": 1}'):
         return conn.execute(
-            f"SELECT token FROM idempotency.idem_claim(%s, '{{\"n\": 1}}', %s, {lease}, "
-            "session_bound => %s)", (key, self.own_scope, bound)).fetchone()[0]
+            f"SELECT token FROM idempotency.idem_claim(%s, %s::jsonb, %s, {lease}, "
+            "session_bound => %s, remember => '0')",
+            (key, request, self.own_scope, bound)).fetchone()[0]
 
     def remember(self, scope, key, token):
         if token is not None and isinstance(scope, str) and isinstance(key, str):
@@ -456,7 +556,7 @@ class Worker:
                           ("response_bodies", "jsonb[]"), ("phase", "text"),
                           ("lease", "interval"), ("retention", "interval"),
                           ("wait", "interval"), ("status", "text"),
-                          ("session_bound", "bool")]:
+                          ("session_bound", "bool"), ("remember", "interval")]:
             v = a.get(name, OMIT)
             if v is OMIT:
                 continue
@@ -516,7 +616,12 @@ class Worker:
         rows = self.su.execute(
             "SELECT k.key, (pg_catalog.to_jsonb(k) - 'sweep_at')::text, k.status, k.token,"
             " k.expires_at::text,"
-            " (pg_catalog.to_jsonb(k) - 'sweep_at' - 'token' - 'owner_session')::text"
+            " (pg_catalog.to_jsonb(k) - 'sweep_at' - 'token' - 'owner_session')::text,"
+            " (pg_catalog.to_jsonb(k) - 'sweep_at' - 'response_body' - 'phase'"
+            "  - 'phase_data')::text,"
+            " k.response_body IS NULL AND k.phase IS NULL AND k.phase_data IS NULL,"
+            " (CASE WHEN k.status = 'pending' OR k.remember IS NULL THEN k.expires_at"
+            "  ELSE k.expires_at + k.remember END)::text"
             " FROM idempotency.keys k WHERE k.scope = %s AND k.key = ANY(%s)",
             (scope, names)).fetchall()
         return {r[0]: Row(*r[1:]) for r in rows}, names
@@ -536,6 +641,11 @@ class Worker:
             if (b is not None and a is not None and b.status == "pending"
                     and a.token is None and a.rest == b.rest):
                 continue  # the worker reset it: its lease or session had ended
+            if (b is not None and a is not None and b.status in ("succeeded", "failed")
+                    and a.compact and a.core == b.core and self.su.execute(
+                        "SELECT %s::timestamptz <= pg_catalog.clock_timestamp()",
+                        (b.expires_at,)).fetchone()[0]):
+                continue  # a sweep compacted it: remembered past its retention
             self.fail("P3", f"a call that {why} changed the row of key {k!r}",
                       sql, params, extra=f"before: {short(b)}\n   after:  {short(a)}")
 
@@ -550,7 +660,12 @@ class Worker:
         self.calls[fn] += 1
         self.contexts[ctx] += 1
         before = self.snapshot(scope, touched)
-        c = self.conn
+        # a lookup is judged by what it could know at the start of the call
+        self.started = (self.su.execute("SELECT pg_catalog.clock_timestamp()").fetchone()[0]
+                        if fn == "idem_lookup" else None)
+        plain = bool(a.get("as_plain")) if isinstance(a, dict) else False
+        c = self.plain if plain else self.conn
+        self.acting = "fuzz_plain" if plain else self.role
         rows, state, rolled_back = None, None, ctx in ("rollback", "readonly", "savepoint")
         try:
             if ctx != "autocommit":
@@ -587,6 +702,7 @@ class Worker:
             state = state or e.sqlstate
             c.execute("ROLLBACK")
         self.check_error(fn, a, ctx, state, sql, params)
+        self.check_answer(fn, a, rows, state, rolled_back, before, scope, touched, sql, params)
         if state is None:
             self.ok[fn] += 1
             if not rolled_back:
@@ -611,11 +727,10 @@ class Worker:
         self.errors[fn][state] += 1
         self.checked["P2 documented SQLSTATE"] += 1
         allowed = set(ALLOWED[fn])
-        if self.role != "fuzz_tenant":
+        if self.acting != "fuzz_tenant":
             allowed -= TENANT_ONLY
-        if fn in ("bind_scope", "unbind_scope", "stats_reset", "distribute",
-                  "idem_sweep") and self.role == "fuzz_tenant":
-            allowed |= TENANT_ONLY  # not granted to the tenant's role
+        if fn in NOT_GRANTED[self.acting]:
+            allowed |= TENANT_ONLY  # not granted to this role
         if ctx == "timeout":
             allowed.add("57014")
         if ctx == "readonly" and fn in WRITERS:
@@ -627,6 +742,119 @@ class Worker:
         if state not in allowed:
             self.fail("P2", f"{fn} raised {state}, which docs/api.md does not list for it"
                       f" (context {ctx})", sql, params)
+
+    def check_answer(self, fn, a, rows, state, rolled_back, before, scope, touched,
+                     sql, params):
+        """P6 and P7: what a call answered, against the API reference and,
+        in the worker's own scope, against the key's row (only this worker
+        and the sweeps change those: a sweep deletes a key past its
+        retention or remember, compacts or resets one, never makes a key
+        finished or pending)."""
+        if (fn in ("idem_claim", "idem_finish", "idem_finish_many")
+                and a.get("remember", OMIT) not in (OMIT, None)
+                and self.interval_value(a["remember"]) in BAD_REMEMBERS):
+            self.checked["P7 bad remember refused"] += 1
+            if state is None:
+                self.fail("P7", f"{fn} accepted remember => {a['remember']!r}", sql, params)
+        if self.acting == "fuzz_plain":
+            self.checked["P6 refused without the grant"] += 1
+            if state is None:
+                self.fail("P6", f"{fn} ran for a role without EXECUTE on it", sql, params)
+        own = scope == self.own_scope and before is not None
+        prior = before[0] if own else {}
+        if fn == "idem_forget" and state == "55000" and own:
+            b = prior.get(touched[0])
+            self.checked["P6 forget: 55000 for a pending key"] += 1
+            if b is None or b.status != "pending":
+                self.fail("P6", "idem_forget raised 55000 for a key that was not pending",
+                          sql, params, extra=f"before: {short(b)}")
+        if state is not None:
+            return
+        if fn in ("idem_claim", "idem_claim_many"):
+            for r in rows or []:
+                ans = r if fn == "idem_claim" else r[2:]
+                key = touched[0] if fn == "idem_claim" else r[1]
+                self.outcomes[fn][ans[0]] += 1
+                self.checked["P6 claim outcome"] += 1
+                if ans[0] not in CLAIM_OUTCOMES:
+                    self.fail("P6", f"{fn} answered the undocumented outcome {ans[0]!r}",
+                              sql, params)
+                elif ans[0] == "expired":
+                    self.check_expired(fn, ans, key, own, sql, params)
+        elif fn == "idem_lookup":
+            self.check_lookup(rows, sql, params)
+        elif fn == "idem_forget":
+            answer = rows[0][0] if rows and len(rows) == 1 else rows
+            self.outcomes[fn][str(answer).lower()] += 1
+            self.checked["P6 forget answer"] += 1
+            b = prior.get(touched[0])
+            if answer not in (True, False):
+                self.fail("P6", f"idem_forget answered {answer!r}, not true or false",
+                          sql, params)
+            elif not answer and b is not None and self.su.execute(
+                    "SELECT %s::timestamptz > pg_catalog.clock_timestamp()",
+                    (b.gone_at,)).fetchone()[0]:
+                # it was still there for a claim all through the call
+                self.fail("P6", "idem_forget answered false for a key that was "
+                          + ("pending (55000)" if b.status == "pending"
+                             else "finished, live or remembered (true)"),
+                          sql, params, extra=f"before: {short(b)}")
+            elif answer and own:
+                if b is None or b.status not in ("succeeded", "failed"):
+                    self.fail("P6", "idem_forget answered true for a key that was not finished",
+                              sql, params, extra=f"before: {short(b)}")
+                if not rolled_back and self.su.execute(
+                        "SELECT 1 FROM idempotency.keys WHERE scope = %s AND key = %s",
+                        (scope, touched[0])).fetchone():
+                    self.fail("P6", "idem_forget answered true and the key's row is still there",
+                              sql, params)
+
+    def check_lookup(self, rows, sql, params):
+        """A lookup's row: remembered_until only for a finished key; past
+        its retention at the start of the call, a key is shown only while
+        remembered, and then without its response and recovery point."""
+        if not rows:
+            return
+        self.checked["P6 lookup row"] += 1
+        (status, _, _, body, _, _, expires_at, phase, until) = rows[0]
+        if len(rows) != 1 or (until is not None and status not in ("succeeded", "failed")):
+            self.fail("P6", f"idem_lookup answered {rows!r}", sql, params)
+            return
+        past, remembered = self.su.execute(
+            "SELECT %s::timestamptz <= %s::timestamptz, %s::timestamptz > %s::timestamptz",
+            (expires_at, self.started, until, self.started)).fetchone()
+        if past and not remembered:
+            self.fail("P6", "idem_lookup showed a key past its retention and not remembered",
+                      sql, params, extra=f"row: {rows[0]!r}")
+        elif past and (body is not None or phase is not None):
+            self.fail("P6", "idem_lookup showed a remembered key's response or phase",
+                      sql, params, extra=f"row: {rows[0]!r}")
+        elif past:
+            self.checked["P6 lookup of a remembered key"] += 1
+
+    def check_expired(self, fn, ans, key, own, sql, params):
+        """An expired answer: status and response_code only, of a finished
+        key remembered past its retention (a claim of it writes nothing)."""
+        _, token, attempt, status, code, body, retry_after, phase, phase_data = ans
+        self.checked["P6 expired answer"] += 1
+        if (status not in ("succeeded", "failed")
+                or any(v is not None for v in (token, attempt, body, retry_after,
+                                               phase, phase_data))):
+            self.fail("P6", f"{fn} answered expired with other columns than status and "
+                      f"response_code: {ans!r}", sql, params)
+        if not own or not isinstance(key, str):
+            return
+        row = self.su.execute(
+            "SELECT status, response_code, remember IS NOT NULL AND remember > '0',"
+            " expires_at <= pg_catalog.clock_timestamp()"
+            " FROM idempotency.keys WHERE scope = %s AND key = %s",
+            (self.own_scope, key)).fetchone()
+        self.checked["P6 expired: the key is remembered"] += 1
+        # no row: a sweep deleted it since, its remember having passed too
+        if row is not None and row != (status, code, True, True):
+            self.fail("P6", f"{fn} answered expired ({status}, {code}) for a key that is not "
+                      "remembered past its retention", sql, params,
+                      extra=f"row (status, response_code, remembered, retention passed): {row}")
 
     def learn(self, fn, rows, scope, touched):
         """Remember the tokens that claims handed out."""
@@ -640,7 +868,7 @@ class Worker:
     def fail(self, prop, what, sql, params, extra=""):
         shown = [p if not isinstance(p, str) or len(p) < 300 else p[:60] + f"...({len(p)} chars)"
                  for p in params]
-        msg = f"{prop} (worker {self.idx}, role {self.role}): {what}\n   {sql}\n   params: {shown!r}"
+        msg = f"{prop} (worker {self.idx}, role {self.acting}): {what}\n   {sql}\n   params: {shown!r}"
         if extra:
             msg += "\n   " + extra
         # the same failure of the same statement is shown once, and counted
@@ -652,10 +880,11 @@ class Worker:
 
     def reset(self):
         """After a harness error: no transaction left open."""
-        if self.conn.closed:
+        if self.conn.closed or self.plain.closed:
             self.reconnect()
-        elif self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            self.conn.execute("ROLLBACK")
+        for conn in (self.conn, self.plain):
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                conn.execute("ROLLBACK")
 
     def reconnect(self):
         for _ in range(50):
@@ -663,6 +892,7 @@ class Worker:
                 self.conn = self.connect(self.role)
                 self.su = self.connect("postgres")
                 self.side = self.connect(self.role)
+                self.plain = self.connect("fuzz_plain")
                 return
             except psycopg.OperationalError:
                 time.sleep(0.2)
@@ -671,6 +901,7 @@ class Worker:
     def summary(self):
         return {"calls": dict(self.calls), "ok": dict(self.ok),
                 "errors": {f: dict(c) for f, c in self.errors.items()},
+                "outcomes": {f: dict(c) for f, c in self.outcomes.items()},
                 "contexts": dict(self.contexts), "checked": dict(self.checked),
                 "failures": self.failures,
                 "failed_calls": sum(self.failure_count.values())}
@@ -688,8 +919,10 @@ class Raw:
 
 # A row of idempotency.keys as P3 compares it: all of it but sweep_at (text),
 # and what tells a reset by the background worker apart (rest: the row
-# without token and owner_session).
-Row = collections.namedtuple("Row", "text status token expires_at rest")
+# without token and owner_session) and a compaction (core: the row without
+# what a compaction drops; compact: none of that is left); gone_at: when
+# the key stops being there for a claim, its retention or remember passing.
+Row = collections.namedtuple("Row", "text status token expires_at rest core compact gone_at")
 
 
 def short(row):
@@ -767,6 +1000,7 @@ def worker_main(idx, opts, deadline, queue):
 def merge(summaries):
     total = {"calls": collections.Counter(), "ok": collections.Counter(),
              "errors": collections.defaultdict(collections.Counter),
+             "outcomes": collections.defaultdict(collections.Counter),
              "contexts": collections.Counter(), "checked": collections.Counter(),
              "failures": [], "failed_calls": 0}
     for s in summaries:
@@ -774,6 +1008,8 @@ def merge(summaries):
             total[k].update(s.get(k, {}))
         for f, c in s.get("errors", {}).items():
             total["errors"][f].update(c)
+        for f, c in s.get("outcomes", {}).items():
+            total["outcomes"][f].update(c)
         total["failures"].extend(s.get("failures", []))
         total["failed_calls"] += s.get("failed_calls", 0)
     return total
@@ -809,6 +1045,9 @@ def print_summary(total, seed, elapsed):
         errs = ", ".join(f"{s} {n}" for s, n in sorted(total["errors"][f].items()))
         print(f"  {f:18} {total['calls'][f]:7d} calls, {total['ok'][f]:7d} ok"
               + (f"; {errs}" if errs else ""))
+    print("answers: " + "; ".join(
+        f"{f} " + ", ".join(f"{o} {n}" for o, n in sorted(c.items()))
+        for f, c in sorted(total["outcomes"].items())))
     print("contexts: " + ", ".join(f"{k} {v}" for k, v in sorted(total["contexts"].items())))
     print("properties checked: " + ", ".join(
         f"{k}: {v}" for k, v in sorted(total["checked"].items())))
