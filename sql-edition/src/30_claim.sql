@@ -478,8 +478,6 @@ BEGIN
 			-- lane or a key committed since the read takes the full path.
 			ls := COALESCE(lease, idempotency._lease_setting());
 			rt := COALESCE(retention, idempotency._retention_setting());
-			rem := CASE WHEN remember IS NULL THEN idempotency._remember_setting()
-				   ELSE NULLIF(remember, '0'::interval) END;
 			-- the verdict again, under the table's write lock
 			IF idempotency._write_verdict() OPERATOR(pg_catalog.=) 0 THEN
 				tok := pg_catalog.nextval('idempotency.token_seq'::pg_catalog.regclass);
@@ -497,7 +495,9 @@ BEGIN
 				VALUES (idem_claim.scope, idem_claim.key, 'pending', tok, 1, w.fp,
 					NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
 					GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
-					rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL, rem)
+					rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL,
+					CASE WHEN idem_claim.remember IS NULL THEN idempotency._remember_setting()
+						 ELSE NULLIF(idem_claim.remember, '0'::interval) END)
 				ON CONFLICT ON CONSTRAINT keys_pkey DO NOTHING;
 				IF FOUND THEN
 					IF COALESCE(w.first, '') OPERATOR(pg_catalog.=) '' THEN

@@ -369,10 +369,8 @@ BEGIN
 	IF status IS NULL OR (status OPERATOR(pg_catalog.<>) 'succeeded' AND status OPERATOR(pg_catalog.<>) 'failed') THEN
 		PERFORM idempotency._check_status(status);
 	END IF;
-	IF retention IS NOT NULL THEN
+	IF retention IS NOT NULL OR remember IS NOT NULL THEN
 		PERFORM idempotency._check_positive(retention, 'retention');
-	END IF;
-	IF remember IS NOT NULL THEN
 		PERFORM idempotency._check_interval(remember, 'remember', true);
 	END IF;
 	IF pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean THEN
