@@ -534,6 +534,7 @@ claim_result_values(const ClaimResult *res, Datum *values, bool *nulls)
 			}
 			break;
 		case OUTCOME_REPLAY:
+		case OUTCOME_EXPIRED:	/* the same, without a body (it is gone) */
 			values[3] = CStringGetTextDatum(idem_status_names[res->status]);
 			nulls[3] = false;
 			if (res->has_response_code)
@@ -550,15 +551,6 @@ claim_result_values(const ClaimResult *res, Datum *values, bool *nulls)
 		case OUTCOME_IN_PROGRESS:
 			values[6] = Int32GetDatum(res->retry_after);
 			nulls[6] = false;
-			break;
-		case OUTCOME_EXPIRED:
-			values[3] = CStringGetTextDatum(idem_status_names[res->status]);
-			nulls[3] = false;
-			if (res->has_response_code)
-			{
-				values[4] = Int32GetDatum(res->response_code);
-				nulls[4] = false;
-			}
 			break;
 		case OUTCOME_MISMATCH:
 			break;
