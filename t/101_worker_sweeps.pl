@@ -3,7 +3,8 @@
 #
 # 101_worker_sweeps.pl: with shared_preload_libraries = 'idempotency' the
 # background worker, and nobody calling idem_sweep(), expires finished keys
-# past their retention and resets stale pending keys in every database that
+# past their retention (compacting a remembered one, which then answers
+# expired) and resets stale pending keys in every database that
 # has the extension: two databases created before the first sweep, one
 # database created after start-up whose extension comes later still.  Keys
 # under a live lease or within their retention are left exactly as they
@@ -112,6 +113,13 @@ sub populate
 		"200, retention => '3 seconds'");
 	is($c->{outcome}, 'claimed', "$db: exp-resched claimed");
 
+	# A finished key remembered for a day after its one-second retention:
+	# the worker compacts it (its response goes, its outcome stays).
+	$c = claim_finished($db, 'rem', "request => '{\"r\": 1}', lease => '1 second', "
+		  . "retention => '1 second', remember => '1 day'",
+		"201, '{\"n\": \"rem\"}'");
+	is($c->{outcome}, 'claimed', "$db: rem claimed");
+
 	# A finished key kept for a day: the worker must not touch it.
 	$c = claim($node, $db, "'keep', request => '{\"k\": 1}'");
 	is($c->{outcome}, 'claimed', "$db: keep claimed");
@@ -151,12 +159,19 @@ sub check_swept
 			$db,
 			"SELECT count(*) FILTER (WHERE key LIKE 'exp-%') = 0 "
 			  . "AND bool_and(token IS NULL) FILTER (WHERE key = 'stale') "
+			  . "AND bool_and(response_body IS NULL AND sweep_at = expires_at + remember) "
+			  . "FILTER (WHERE key = 'rem') "
 			  . "FROM idempotency.keys"),
-		"$db: the worker expired the exp-* keys and reset the stale key");
+		"$db: the worker expired the exp-* keys, reset the stale key and compacted rem");
 
 	is( sql($db, "SELECT string_agg(key, ',' ORDER BY key) FROM idempotency.keys"),
-		'keep,live,stale',
-		"$db: exactly keep, live and stale remain");
+		'keep,live,rem,stale',
+		"$db: exactly keep, live, rem and stale remain");
+	is( sql($db,
+			"SELECT outcome, status, response_code FROM idempotency.idem_claim('rem', "
+			  . "'{\"r\": 1}')"),
+		'expired|succeeded|201',
+		"$db: the compacted key answers expired with its outcome");
 	is(row_but_sweep_at($db, 'keep'), $before->{keep},
 		"$db: the finished key within its retention is unchanged");
 	is(row_but_sweep_at($db, 'live'), $before->{live},
@@ -173,8 +188,8 @@ sub check_swept
 	is( sql($db,
 			"SELECT expired, reset, last_sweep_at IS NOT NULL, last_sweep_ms >= 0 "
 			  . "FROM idempotency.stats WHERE database = current_database()"),
-		'6|1|t|t',
-		"$db: stats count 6 expired and 1 reset; last_sweep_at is set");
+		'7|1|t|t',
+		"$db: stats count 7 expired (6 deleted, 1 compacted) and 1 reset; last_sweep_at is set");
 
 	# The worker's reset killed the old token; the next claim takes over.
 	is( sqlstate_of($node, $db,
