@@ -6,7 +6,8 @@
 # Debian's PostgreSQL 15 with postgresql-15-cron), preloads pg_cron there
 # (background workers, so that no connection settings are needed), runs
 # the plain installer into the database pg_cron serves, makes a finished
-# key whose retention has passed and a pending key whose lease has ended,
+# key whose retention has passed (and one remembered after it) and a
+# pending key whose lease has ended,
 # schedules
 #
 #   SELECT cron.schedule('idempotency-sweep', '* * * * *',
@@ -15,8 +16,8 @@
 # and checks that the job is registered, waits (at most CRON_TIMEOUT
 # seconds, default 150: pg_cron before 1.5 runs jobs on minute boundaries
 # only) until cron.job_run_details records a successful run of it, and
-# then that the expired key is gone and the stale one is reset (its next
-# claim is attempt 2).  The C edition may be installed in that PostgreSQL:
+# then that the expired key is gone, the remembered one compacted (it
+# answers expired) and the stale one is reset (its next claim is attempt 2).  The C edition may be installed in that PostgreSQL:
 # the plain installer needs no extension files, and the database never
 # creates the extension.
 #
@@ -75,11 +76,16 @@ check() {				# check NAME EXPECTED ACTUAL
 	fi
 }
 
-# A finished key whose retention passes in a second, a pending one whose
-# lease ends in a second; then wait until both deadlines have passed.
+# A finished key whose retention passes in a second, one remembered for a
+# day after that, a pending one whose lease ends in a second; then wait
+# until every deadline has passed.
 q <<'SQL' >"$work/setup.log" || { cat "$work/setup.log" >&2; exit 2; }
 SELECT idempotency.idem_finish('done', c.token, 200, NULL, 'cron', 'succeeded', '1 second')
   FROM idempotency.idem_claim('done', scope => 'cron', lease => '1 second', retention => '1 second') c;
+SELECT idempotency.idem_finish('rem', c.token, 201, '{"r": 1}', 'cron', 'succeeded', '1 second',
+                               remember => '1 day')
+  FROM idempotency.idem_claim('rem', '{"r": 1}', scope => 'cron', lease => '1 second',
+                              retention => '1 second') c;
 SELECT outcome FROM idempotency.idem_claim('stale', scope => 'cron', lease => '1 second');
 DO $$
 BEGIN
@@ -89,7 +95,7 @@ BEGIN
 	END LOOP;
 END $$;
 SQL
-check "before the sweep: both keys stored" "2" "$(q -c "SELECT count(*) FROM idempotency.keys WHERE scope = 'cron'")"
+check "before the sweep: the three keys stored" "3" "$(q -c "SELECT count(*) FROM idempotency.keys WHERE scope = 'cron'")"
 
 # The documented schedule.
 job=$(q -c "SELECT cron.schedule('idempotency-sweep', '* * * * *', 'SELECT idempotency.idem_sweep()')")
@@ -109,6 +115,10 @@ check "the job ran within ${timeout}s" "succeeded" "$status"
 [[ $status == failed ]] && q -c "SELECT return_message FROM cron.job_run_details WHERE jobid = $job" | sed 's/^/# /'
 
 check "the expired key is gone" "0" "$(q -c "SELECT count(*) FROM idempotency.keys WHERE scope = 'cron' AND key = 'done'")"
+check "the remembered key is compacted" "succeeded|201|t|t" \
+	"$(q -c "SELECT status, response_code, response_body IS NULL, sweep_at = expires_at + remember FROM idempotency.keys WHERE scope = 'cron' AND key = 'rem'")"
+check "it answers expired" "expired|succeeded|201" \
+	"$(q -c "SELECT outcome, status, response_code FROM idempotency.idem_claim('rem', '{\"r\": 1}', scope => 'cron')")"
 check "the stale key is reset" "pending|t|1" \
 	"$(q -c "SELECT status, token IS NULL, attempt FROM idempotency.keys WHERE scope = 'cron' AND key = 'stale'")"
 check "its next claim is attempt 2" "claimed|2" \
