@@ -173,6 +173,30 @@ SELECT idempotency.update_take_over(
 DROP FUNCTION idempotency.idem_lookup(text, text);
 ALTER FUNCTION idempotency.idem_lookup_1_7(text, text) RENAME TO idem_lookup;
 
+/*
+ * Replace a view of the extension in place with "definition" (a CREATE OR
+ * REPLACE VIEW statement): its owner and privileges stay, and the options
+ * an administrator set on it, which CREATE OR REPLACE VIEW resets, are put
+ * back.
+ */
+CREATE FUNCTION idempotency.update_replace_view(view regclass, definition text)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+	options text[];
+BEGIN
+	SELECT c.reloptions INTO options FROM pg_catalog.pg_class c
+	 WHERE c.oid OPERATOR(pg_catalog.=) view;
+	EXECUTE definition;
+	IF options IS NOT NULL THEN
+		EXECUTE pg_catalog.format('ALTER VIEW %s SET (%s)', view,
+								  pg_catalog.array_to_string(options, ', '));
+	END IF;
+END
+$fn$;
+
 -- stats_key_counts: a last column, remembered
 CREATE FUNCTION idempotency.stats_key_counts_1_7(
 	OUT pending bigint, OUT succeeded bigint, OUT failed bigint,
@@ -190,13 +214,7 @@ SELECT idempotency.update_take_over('idempotency.stats_key_counts()',
  * administrator set on it (which CREATE OR REPLACE VIEW resets) are put
  * back.
  */
-DO $do$
-DECLARE
-	options text[];
-BEGIN
-	SELECT c.reloptions INTO options FROM pg_catalog.pg_class c
-	 WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.stats'::pg_catalog.regclass;
-	EXECUTE $view$
+SELECT idempotency.update_replace_view('idempotency.stats', $view$
 CREATE OR REPLACE VIEW idempotency.stats AS
 SELECT d.datname AS database,
 	   c.claims, c.takeovers, c.replays, c.in_progress, c.mismatches,
@@ -211,13 +229,7 @@ SELECT d.datname AS database,
 	ON d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()
  WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()
 	OR c.dbid IS NOT NULL
-$view$;
-	IF options IS NOT NULL THEN
-		EXECUTE pg_catalog.format('ALTER VIEW idempotency.stats SET (%s)',
-								  pg_catalog.array_to_string(options, ', '));
-	END IF;
-END
-$do$;
+$view$);
 DROP FUNCTION idempotency.stats_key_counts();
 ALTER FUNCTION idempotency.stats_key_counts_1_7() RENAME TO stats_key_counts;
 
@@ -268,26 +280,21 @@ $$;
 
 SELECT idempotency.update_take_over('idempotency.cluster_stats_rows()',
 									'idempotency.cluster_stats_rows_1_7()');
-DO $do$
-DECLARE
-	options text[];
-BEGIN
-	SELECT c.reloptions INTO options FROM pg_catalog.pg_class c
-	 WHERE c.oid OPERATOR(pg_catalog.=) 'idempotency.cluster_stats'::pg_catalog.regclass;
-	EXECUTE $view$
+SELECT idempotency.update_replace_view('idempotency.cluster_stats', $view$
 CREATE OR REPLACE VIEW idempotency.cluster_stats AS
 SELECT * FROM idempotency.cluster_stats_rows_1_7()
-$view$;
-	IF options IS NOT NULL THEN
-		EXECUTE pg_catalog.format('ALTER VIEW idempotency.cluster_stats SET (%s)',
-								  pg_catalog.array_to_string(options, ', '));
-	END IF;
-END
-$do$;
+$view$);
 DROP FUNCTION idempotency.cluster_stats_rows();
 ALTER FUNCTION idempotency.cluster_stats_rows_1_7() RENAME TO cluster_stats_rows;
+-- once more under the function's own name, which the view's columns are
+-- qualified with, as in a fresh install
+SELECT idempotency.update_replace_view('idempotency.cluster_stats', $view$
+CREATE OR REPLACE VIEW idempotency.cluster_stats AS
+SELECT * FROM idempotency.cluster_stats_rows()
+$view$);
 
 DROP FUNCTION idempotency.update_take_over(regprocedure, regprocedure);
+DROP FUNCTION idempotency.update_replace_view(regclass, text);
 
 /*
  * Removing a finished key on purpose, so that its next claim runs again:

@@ -17,7 +17,7 @@
 # It skips itself when Citus is not installed for the PostgreSQL under test
 # (scripts/build-citus.sh installs it for PostgreSQL 16 and later).  Run as
 # described at the top of t/001_restart.pl; the nodes listen on 127.0.0.1,
-# ports 55610 to 55612.
+# ports 31610 to 31612.
 
 use strict;
 use warnings FATAL => 'all';

@@ -31,7 +31,7 @@
 #     that sum to every claim made.
 #
 # It skips itself when Citus is not installed for the PostgreSQL under test.
-# The nodes listen on 127.0.0.1, ports 55613 to 55615.
+# The nodes listen on 127.0.0.1, ports 31613 to 31615.
 
 use strict;
 use warnings FATAL => 'all';
@@ -47,7 +47,7 @@ use Test::More;
 my $why = citus_available();
 plan skip_all => $why if $why;
 
-my $cluster     = citus_cluster(port => 55613, name => 'outcomes');
+my $cluster     = citus_cluster(port => 31613, name => 'outcomes');
 my $coordinator = $cluster->{coordinator};
 my @workers     = @{ $cluster->{workers} };
 my @nodes       = @{ $cluster->{nodes} };
@@ -77,7 +77,7 @@ is( coord(
 		  . "(SELECT p.oid FROM pg_proc p WHERE p.pronamespace = 'idempotency'::regnamespace "
 		  . "AND 'scope' = ANY (p.proargnames)) AND distribution_argument_index IS NOT NULL "
 		  . 'AND force_delegation'),
-	'8', 'the eight functions with a scope are delegated by it, also in transaction blocks');
+	'9', 'the nine functions with a scope are delegated by it, also in transaction blocks');
 coord('SELECT idempotency.distribute()');
 is(coord('SELECT count(*) FROM pg_dist_partition'),
 	'2', 'distribute() a second time changes nothing');
@@ -263,7 +263,7 @@ my $claims = coord(
 my $rows = coord('SELECT count(*) FROM idempotency.cluster_stats');
 is($rows, '3', 'cluster_stats: one row per node');
 is( coord(
-		"SELECT claims FROM idempotency.cluster_stats WHERE node = '127.0.0.1:55613'"),
+		"SELECT claims FROM idempotency.cluster_stats WHERE node = '127.0.0.1:31613'"),
 	coord('SELECT claims FROM idempotency.stats WHERE database = current_database()'),
 	'the coordinator\'s row is its own stats view');
 for my $worker (@workers)

@@ -29,7 +29,7 @@
 #     nothing.
 #
 # It skips itself when Citus is not installed for the PostgreSQL under test.
-# The nodes listen on 127.0.0.1, ports 55616 to 55618.
+# The nodes listen on 127.0.0.1, ports 31616 to 31618.
 
 use strict;
 use warnings FATAL => 'all';
@@ -46,7 +46,7 @@ use Test::More;
 my $why = citus_available();
 plan skip_all => $why if $why;
 
-my $cluster     = citus_cluster(port => 55616, name => 'moves');
+my $cluster     = citus_cluster(port => 31616, name => 'moves');
 my $coordinator = $cluster->{coordinator};
 my @workers     = @{ $cluster->{workers} };
 

@@ -23,7 +23,7 @@
 #     run again.
 #
 # It skips itself when Citus is not installed for the PostgreSQL under test.
-# The nodes listen on 127.0.0.1, ports 55619 to 55621.
+# The nodes listen on 127.0.0.1, ports 31619 to 31621.
 
 use strict;
 use warnings FATAL => 'all';
@@ -39,7 +39,7 @@ use Test::More;
 my $why = citus_available();
 plan skip_all => $why if $why;
 
-my $cluster     = citus_cluster(port => 55619, name => 'update');
+my $cluster     = citus_cluster(port => 31619, name => 'update');
 my $coordinator = $cluster->{coordinator};
 my @nodes       = @{ $cluster->{nodes} };
 

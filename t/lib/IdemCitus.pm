@@ -22,7 +22,10 @@
 #
 # Unlike the other TAP tests, these nodes listen on 127.0.0.1 as well as on
 # their Unix socket: the coordinator and the workers connect to each other
-# over TCP, so the ports (55610 and up by default) must be free.
+# over TCP, so the ports (31610 and up by default) must be free.  They lie
+# below Linux's range of ephemeral ports (32768 to 60999 by default): a port
+# in that range can be taken at any moment by the local end of some
+# client's connection, and the node's start then fails to bind it.
 
 package IdemCitus;
 
@@ -75,7 +78,7 @@ sub citus_available
 # 127.0.0.1 and on its Unix socket, with Citus and idempotency created in
 # database postgres, the workers added to the coordinator's metadata.
 # Options:
-#   port           => the coordinator's port (default 55610); worker i
+#   port           => the coordinator's port (default 31610); worker i
 #                     listens on port + i;
 #   name           => prefix of the node names (default 'citus'), so that a
 #                     test can make two clusters on other ports;
@@ -88,7 +91,7 @@ sub citus_available
 sub citus_cluster
 {
 	my (%opt) = @_;
-	my $port    = $opt{port}    // 55610;
+	my $port    = $opt{port}    // 31610;
 	my $workers = $opt{workers} // 2;
 	my $name    = $opt{name}    // 'citus';
 	my @conf    = (
