@@ -79,6 +79,7 @@ const KeysColumnDef idem_keys_columns[KEYS_NCOLS] = {
 	[KEYS_COL_PHASE_DATA - 1] = {"phase_data", JSONBOID},
 	[KEYS_COL_OWNER_SESSION - 1] = {"owner_session", INT8OID},
 	[KEYS_COL_REMEMBER - 1] = {"remember", INTERVALOID},
+	[KEYS_COL_REQUEST - 1] = {"request", JSONBOID},
 };
 
 /* The cache, valid until an invalidation of one of its relations. */
@@ -117,7 +118,8 @@ static bool
 catalog_is_of(const IdemCatalog *c, Oid relid)
 {
 	return relid == c->keys || relid == c->pkey || relid == c->sweep_idx ||
-		relid == c->session_idx || relid == c->token_seq;
+		relid == c->session_idx || relid == c->abandoned_idx ||
+		relid == c->token_seq;
 }
 
 /* Forget the cache when any of its relations changes. */
@@ -198,8 +200,8 @@ catalog_refuse_not_installed(void)
 
 /*
  * The columns the store reads and writes by number, with their types: those
- * of 1.7, or the first KEYS_NCOLS_1_4 or KEYS_NCOLS_1_0 of them (an
- * installation not updated yet).  Returns how many the table has.
+ * of 1.8, or the first KEYS_NCOLS_1_7, KEYS_NCOLS_1_4 or KEYS_NCOLS_1_0 of
+ * them (an installation not updated yet).  Returns how many the table has.
  */
 static int
 catalog_check_columns(Relation heap)
@@ -208,8 +210,8 @@ catalog_check_columns(Relation heap)
 	char	   *what = psprintf("table \"idempotency.%s\"",
 								RelationGetRelationName(heap));
 
-	if (desc->natts != KEYS_NCOLS && desc->natts != KEYS_NCOLS_1_4 &&
-		desc->natts != KEYS_NCOLS_1_0)
+	if (desc->natts != KEYS_NCOLS && desc->natts != KEYS_NCOLS_1_7 &&
+		desc->natts != KEYS_NCOLS_1_4 && desc->natts != KEYS_NCOLS_1_0)
 		idem_catalog_refuse_replaced(what);
 	for (int i = 0; i < desc->natts; i++)
 	{
@@ -388,13 +390,13 @@ catalog_refuse_inlined_function(Relation index)
  * and may reach a user's code in ways no walk of the expression sees (a
  * domain's CHECK, a cast, a built-in that runs SQL or looks names up): so
  * any CHECK constraint and any index expression or predicate counts, but
- * the predicate of the extension's own partial index ("session_idx"); so
+ * the predicates of the extension's own partial indexes; so
  * do an access method, operator class or exclusion operator that is not
  * PostgreSQL's own.  Read from the catalog as stored, so the answer does
  * not depend on the session that asks.
  */
 static bool
-catalog_runs_user_code(Relation heap, Oid session_idx)
+catalog_runs_user_code(Relation heap, const IdemCatalog *catalog)
 {
 	TupleConstr *constr = RelationGetDescr(heap)->constr;
 	List	   *indexes;
@@ -416,7 +418,8 @@ catalog_runs_user_code(Relation heap, Oid session_idx)
 		catalog_refuse_inlined_function(index);
 		found = found || index->rd_rel->relam >= FirstNormalObjectId ||
 			!heap_attisnull(index->rd_indextuple, Anum_pg_index_indexprs, NULL) ||
-			(RelationGetRelid(index) != session_idx &&
+			(RelationGetRelid(index) != catalog->session_idx &&
+			 RelationGetRelid(index) != catalog->abandoned_idx &&
 			 !heap_attisnull(index->rd_indextuple, Anum_pg_index_indpred, NULL));
 		for (int i = 0; i < nprocs && !found; i++)
 			found = index->rd_support[i] >= FirstNormalObjectId;
@@ -503,8 +506,15 @@ catalog_check_store(IdemCatalog *found, const char *suffix)
 		catalog_check_index(found->session_idx, found->keys, 1,
 							KEYS_COL_OWNER_SESSION, 0, true);
 	}
+	if (found->ncols >= KEYS_COL_REQUEST)
+	{
+		found->abandoned_idx = catalog_lock_index("keys_abandoned_idx",
+												  suffix);
+		catalog_check_index(found->abandoned_idx, found->keys, 2,
+							KEYS_COL_SCOPE, KEYS_COL_LEASE_UNTIL, true);
+	}
 	heap = table_open(found->keys, AccessShareLock);
-	found->user_code = catalog_runs_user_code(heap, found->session_idx);
+	found->user_code = catalog_runs_user_code(heap, found);
 	found->key_columns = catalog_key_columns(heap, found->ncols);
 	table_close(heap, NoLock);
 }

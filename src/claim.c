@@ -1,11 +1,14 @@
 /*-------------------------------------------------------------------------
  *
  * claim.c
- *	  idem_claim and idem_claim_many: the claim decision and its wait.
+ *	  idem_claim, idem_claim_many and idem_claim_abandoned: the claim
+ *	  decision and its wait.
  *
  * Owns the outcome rules (claimed, replay, in_progress, mismatch, and
  * expired for a remembered key), the
- * takeover of a key whose lease ended, the tokens this transaction's
+ * takeover of a key whose lease ended (also by a completer's
+ * idem_claim_abandoned, and the request a claim keeps for it), the tokens
+ * this transaction's
  * claims handed out (so that a transaction never takes over its own
  * claim), the wait for an attempt in flight, the claim's result row and
  * the claim counters.  Reads go through row.c, writes through write.c,
@@ -47,10 +50,13 @@
 
 PG_FUNCTION_INFO_V1(idem_claim);
 PG_FUNCTION_INFO_V1(idem_claim_many);
+PG_FUNCTION_INFO_V1(idem_claim_abandoned);
 /* Without preloading, a waiter polls this often (the documented bound). */
 #define WAIT_POLL_MS			10
 /* With preloading, a safety net in case a wake-up is lost (2PC). */
 #define WAIT_SAFETY_MS			1000
+/* The most keys one idem_claim_abandoned call takes over. */
+#define ABANDONED_MAX_KEYS		10000
 
 /*
  * Columns of idem_claim's result row (1.4; older installations declare
@@ -99,6 +105,7 @@ typedef struct ClaimArgs
 	Interval   *retention;		/* NULL: idempotency.retention */
 	bool		session_bound;	/* tie the claim to this session */
 	Interval   *remember;		/* NULL: not remembered */
+	Datum		request;		/* the request to keep with the key, or 0 */
 } ClaimArgs;
 
 /* What a claim answers. */
@@ -360,14 +367,16 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 			idem_write_insert_claim(args->scope, args->key, token,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									now, lease_until, expires_at, retention,
-									owner_session, args->remember);
+									owner_session, args->remember,
+									args->request);
 		else
 			idem_write_update_claim(&row, token,
 									action == ACTION_FRESH ? 1 : row.attempt + 1,
 									args->has_fingerprint ? args->fingerprint : NULL,
 									action == ACTION_FRESH ? now : row.created_at,
 									lease_until, expires_at, retention,
-									owner_session, args->remember);
+									owner_session, args->remember,
+									args->request);
 		idem_key_wrote(args->hash);
 
 		xact_token_issued(token);
@@ -575,13 +584,13 @@ claim_check_session_bound(void)
 
 /*
  * idem_claim(key, request, scope, lease, retention, wait, session_bound,
- *			  remember)
+ *			  remember, keep_request)
  *	  RETURNS SETOF idempotency.claim_result (outcome, token, attempt,
  *	  status, response_code, response_body, retry_after, phase,
  *	  phase_data): always one row.  Installations of 1.0 to 1.3 declare
  *	  the first six arguments and the first seven columns (1.0 as RETURNS
- *	  TABLE), 1.4 to 1.6 the first seven arguments; the row is built for
- *	  the row type the executor expects.
+ *	  TABLE), 1.4 to 1.6 the first seven arguments, 1.7 the first eight;
+ *	  the row is built for the row type the executor expects.
  */
 Datum
 idem_claim(PG_FUNCTION_ARGS)
@@ -604,6 +613,10 @@ idem_claim(PG_FUNCTION_ARGS)
 	}
 	if (!idem_arg_remember(fcinfo, 7, &args.remember))
 		args.remember = idem_remember_setting();
+	/* kept for a completer: as large as a response may be */
+	args.request = (Datum) 0;
+	if (PG_NARGS() > 8 && !PG_ARGISNULL(8) && PG_GETARG_BOOL(8))
+		args.request = idem_arg_body(fcinfo, 1, "request");
 	idem_check_writable("idem_claim()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);
@@ -643,6 +656,7 @@ idem_claim_many(PG_FUNCTION_ARGS)
 	idem_arg_not_null(fcinfo, 5, "session_bound");
 	args.session_bound = PG_GETARG_BOOL(5);
 	args.remember = idem_remember_setting();
+	args.request = (Datum) 0;
 	idem_check_writable("idem_claim_many()");
 	idem_tenant_check(args.scope);
 	idem_catalog_select_scope(args.scope);
@@ -680,6 +694,149 @@ idem_claim_many(PG_FUNCTION_ARGS)
 			nulls[0] = nulls[1] = false;
 			claim_result_values(&res, values + 2, nulls + 2);
 			MemoryContextSwitchTo(outer);
+			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
+								 nulls);
+		}
+	}
+	PG_CATCH();
+	{
+		idem_token_flush(&outer_batch, false);
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	idem_token_flush(&outer_batch, true);
+	MemoryContextDelete(elem_cxt);
+	PG_RETURN_VOID();
+}
+
+/*
+ * Take over the abandoned key "cand" of "scope" (judged again under its
+ * lock, with the newest row), for a new attempt with a lease until
+ * "lease_until".  False when it is no longer abandoned, or another
+ * transaction or backend is at it: skipped, never waited for.  Fills
+ * "values" and "nulls" with its result row.
+ */
+static bool
+claim_abandoned_one(text *scope, const IdemAbandoned *cand, TimestampTz now,
+					Interval *lease, Datum *values, bool *nulls)
+{
+	uint64		hash = idem_key_hash(scope, cand->key);
+	IdemRow		row;
+	TimestampTz lease_until;
+	TimestampTz expires_at;
+	int64		token;
+
+	if (!idem_key_lock(hash, false))
+		return false;
+	idem_row_probe(scope, cand->key, IDEM_PROBE_LATEST, true, &row);
+	if (row.busy || row.locked || !idem_row_abandoned(&row, now) ||
+		claim_held_here(&row))
+	{
+		idem_key_unlock(hash);
+		return false;
+	}
+	idem_row_check_snapshot(&row);
+
+	/* as a claim's takeover, keeping what the key was claimed with */
+	lease_until = idem_add_interval(now, lease);
+	expires_at = Max(idem_add_interval(now, &row.retention), lease_until);
+	token = idem_token_claim(&row);
+	idem_write_update_claim(&row, token, row.attempt + 1,
+							row.has_fingerprint ? row.fingerprint : NULL,
+							row.created_at, lease_until, expires_at,
+							&row.retention, 0,
+							row.has_remember ? &row.remember : NULL,
+							(Datum) 0);
+	idem_key_wrote(hash);
+	idem_key_unlock(hash);
+	xact_token_issued(token);
+
+	values[0] = PointerGetDatum(cand->key);
+	values[1] = Int64GetDatum(token);
+	values[2] = Int32GetDatum(row.attempt + 1);
+	values[3] = row.request != (Datum) 0 ?
+		PointerGetDatum(PG_DETOAST_DATUM(row.request)) : (Datum) 0;
+	values[4] = row.phase;
+	values[5] = row.phase_data != (Datum) 0 ?
+		PointerGetDatum(PG_DETOAST_DATUM(row.phase_data)) : (Datum) 0;
+	nulls[0] = nulls[1] = nulls[2] = false;
+	nulls[3] = row.request == (Datum) 0;
+	nulls[4] = row.phase == (Datum) 0;
+	nulls[5] = row.phase_data == (Datum) 0;
+	return true;
+}
+
+/*
+ * idem_claim_abandoned(scope, max_keys, lease)
+ *	  RETURNS TABLE (key, token, attempt, request, phase, phase_data)
+ *
+ * A completer's claim: take over up to max_keys keys of the scope whose
+ * attempt was abandoned (a sweep reset it, its lease ended, or its
+ * session-bound owner's session ended), oldest lease first, each exactly
+ * as a claim's takeover would (attempt + 1, a new token, the old one
+ * dead), without the request: the one the key was claimed with, if it was
+ * kept, is returned with the last recovery point.  Keys that someone else
+ * is at are skipped, never waited for.
+ */
+Datum
+idem_claim_abandoned(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	text	   *scope;
+	int32		max_keys;
+	Interval   *lease;
+	TimestampTz now;
+	IdemAbandoned *cands;
+	int			ncands;
+	volatile int taken = 0;
+	MemoryContext outer = CurrentMemoryContext;
+	MemoryContext elem_cxt;
+	IdemTokenBatch outer_batch;
+
+	scope = idem_arg_name(fcinfo, 0, "scope", true);
+	idem_arg_not_null(fcinfo, 1, "max_keys");
+	max_keys = PG_GETARG_INT32(1);
+	if (max_keys < 1 || max_keys > ABANDONED_MAX_KEYS)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("max_keys must be between 1 and %d", ABANDONED_MAX_KEYS)));
+	lease = idem_arg_interval(fcinfo, 2);
+	idem_check_positive(lease, "lease");
+	if (lease == NULL)
+		lease = idem_interval_from_ms(idem_lease_ms);
+	idem_check_writable("idem_claim_abandoned()");
+	idem_tenant_check(scope);
+	idem_catalog_select_scope(scope);
+
+	idem_result_init(fcinfo);
+	now = GetCurrentTimestamp();
+	/* more than asked for: some may be taken by others meanwhile */
+	ncands = idem_row_abandoned_candidates(scope, now, max_keys * 2 + 8,
+										   &cands);
+	elem_cxt = AllocSetContextCreate(outer, "idempotency abandoned key",
+									 ALLOCSET_SMALL_SIZES);
+	/* one WAL flush for the tokens, when the call returns them */
+	idem_token_defer_flush(&outer_batch);
+	PG_TRY();
+	{
+		for (int i = 0; i < ncands && taken < max_keys; i++)
+		{
+			Datum		values[6];
+			bool		nulls[6];
+			bool		took;
+
+			CHECK_FOR_INTERRUPTS();
+			MemoryContextReset(elem_cxt);
+			MemoryContextSwitchTo(elem_cxt);
+			took = claim_abandoned_one(scope, &cands[i], now, lease, values,
+									   nulls);
+			MemoryContextSwitchTo(outer);
+			if (!took)
+				continue;
+			taken++;
+			idem_stats_count(IDEM_STAT_CLAIMS, 1);
+			idem_stats_count(IDEM_STAT_TAKEOVERS, 1);
+			idem_stats_count(IDEM_STAT_ABANDONED_TAKEOVERS, 1);
 			tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values,
 								 nulls);
 		}

@@ -54,7 +54,7 @@
  * install script ships with it, the last number counts releases of the
  * library that leave the SQL objects alone.
  */
-#define IDEM_VERSION			"1.7.0"
+#define IDEM_VERSION			"1.8.0"
 
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255
@@ -186,6 +186,9 @@ typedef struct IdemRow
 	/* 1.7 column; NULL (false) on a table of an older version */
 	bool		has_remember;
 	Interval	remember;
+	/* 1.8 column; 0 on a table of an older version */
+	Datum		request;		/* the kept request, copy as stored (with the
+								 * body), or 0 */
 } IdemRow;
 
 /* How a probe reads: the newest state (claims, writes) or a snapshot. */
@@ -221,6 +224,18 @@ extern int	idem_row_session_candidates(int64 after, int limit,
 										text ***scopes, text ***keys,
 										int64 **sessions);
 
+/* A key of a scope that looked abandoned (idem_row_abandoned_candidates). */
+typedef struct IdemAbandoned
+{
+	ItemPointerData tid;
+	text	   *key;
+	TimestampTz lease_until;
+} IdemAbandoned;
+
+extern int	idem_row_abandoned_candidates(text *scope, TimestampTz now,
+										  int limit, IdemAbandoned **found);
+extern bool idem_row_abandoned(const IdemRow *row, TimestampTz now);
+
 /* Where idem_row_count_keys took its counts from. */
 typedef enum IdemKeyCountSource
 {
@@ -255,7 +270,7 @@ extern void idem_write_insert_claim(text *scope, text *key, int64 token,
 									TimestampTz expires_at,
 									Interval *retention,
 									int64 owner_session,
-									Interval *remember);
+									Interval *remember, Datum request);
 extern void idem_write_update_claim(const IdemRow *old, int64 token,
 									int32 attempt, const uint8 *fingerprint,
 									TimestampTz created_at,
@@ -263,7 +278,7 @@ extern void idem_write_update_claim(const IdemRow *old, int64 token,
 									TimestampTz expires_at,
 									Interval *retention,
 									int64 owner_session,
-									Interval *remember);
+									Interval *remember, Datum request);
 extern void idem_write_checkpoint(const IdemRow *old, Datum phase,
 								  Datum data);
 extern void idem_write_finish(const IdemRow *old, IdemStatus status,
@@ -285,14 +300,18 @@ typedef enum IdemSweepWork
 	IDEM_SWEEP_NKINDS
 } IdemSweepWork;
 
-/* One row a sweep writes: its version, and its new sweep_at (not a delete). */
+/*
+ * One row a sweep writes: its version, and its new sweep_at (not a
+ * delete); "done" says whether the write happened.
+ */
 typedef struct IdemSweepItem
 {
 	ItemPointerData tid;
 	TimestampTz sweep_at;
+	bool		done;
 } IdemSweepItem;
 
-extern int	idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items,
+extern int	idem_write_sweep(IdemSweepWork work, IdemSweepItem *items,
 							 int n);
 
 /* ---- token.c ---- */
@@ -368,6 +387,7 @@ typedef enum IdemCounter
 	IDEM_STAT_EXPIRED,
 	IDEM_STAT_RESET,
 	IDEM_STAT_CHECKPOINTS,		/* 1.4: after last_sweep_at, last_sweep_ms */
+	IDEM_STAT_ABANDONED_TAKEOVERS,	/* 1.8 */
 	IDEM_STAT_NCOUNTERS
 } IdemCounter;
 

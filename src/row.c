@@ -178,6 +178,9 @@ row_decode(TupleTableSlot *slot, bool want_body, IdemRow *row)
 			memcpy(&row->remember, DatumGetIntervalP(v[KEYS_COL_REMEMBER - 1]),
 				   sizeof(Interval));
 	}
+	if (slot->tts_tupleDescriptor->natts >= KEYS_COL_REQUEST)
+		row->request = (want_body && !n[KEYS_COL_REQUEST - 1]) ?
+			datumCopy(v[KEYS_COL_REQUEST - 1], false, -1) : (Datum) 0;
 }
 
 /*
@@ -506,32 +509,44 @@ idem_row_check_snapshot(const IdemRow *row)
 }
 
 /*
- * Up to "limit" rows of the index "indexid" that match "skey" (nkeys: 0 or
- * 1), in index order: a direct index scan (no executor, no tuple copies
- * beyond the scope and key), through the snapshot a statement would get
- * now, so that each fetch sees this sweep's earlier writes.  The arrays
- * and texts are allocated in the current memory context.  With "sessions",
- * the owner_session of each row too (0 when NULL).  Returns how many.
+ * Is this row, as decoded, a key whose attempt was abandoned at "now":
+ * pending, within its retention, and with no live owner (a sweep reset
+ * it, its lease ended, or the session its claim was bound to ended)?
  */
-static int
-row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
-					 ItemPointerData **tids, text ***scopes, text ***keys,
-					 int64 **sessions)
+bool
+idem_row_abandoned(const IdemRow *row, TimestampTz now)
+{
+	return row->found && row->status == IDEM_PENDING &&
+		row->expires_at > now &&
+		(!row->has_token || row->lease_until <= now ||
+		 (row->has_owner_session && !idem_session_alive(row->owner_session)));
+}
+
+/*
+ * What a visitor of row_index_scan is given: the row (its columns up to
+ * the scan's "lastcol" read), and its own state.  It returns false to end
+ * the scan.
+ */
+typedef bool (*RowVisitor) (TupleTableSlot *slot, void *arg);
+
+/*
+ * Visit the rows of the index "indexid" that match "skey" (nkeys: 0 to 2),
+ * in index order, at most "limit" of them: a direct index scan (no
+ * executor, no tuple copies), through the snapshot a statement would get
+ * now, so that each fetch sees this transaction's earlier writes.  Each
+ * row's columns up to "lastcol" are read, and its scope and key checked
+ * for a value.
+ */
+static void
+row_index_scan(Oid indexid, ScanKey skey, int nkeys, int64 limit,
+			   AttrNumber lastcol, RowVisitor visit, void *arg)
 {
 	const IdemCatalog *catalog;
 	Relation	heap;
 	Relation	index;
 	IndexScanDesc scan;
 	TupleTableSlot *slot;
-	int			n = 0;
-	int			alloc = Min(limit, 256);
-	AttrNumber	lastcol = sessions ? KEYS_COL_OWNER_SESSION : KEYS_COL_KEY;
-
-	*tids = palloc(sizeof(ItemPointerData) * alloc);
-	*scopes = palloc(sizeof(text *) * alloc);
-	*keys = palloc(sizeof(text *) * alloc);
-	if (sessions)
-		*sessions = palloc(sizeof(int64) * alloc);
+	int64		seen = 0;
 
 	catalog = idem_catalog();
 	heap = table_open(catalog->keys, AccessShareLock);
@@ -543,19 +558,10 @@ row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
 	slot = table_slot_create(heap, NULL);
 	scan = idem_index_beginscan(heap, index, GetActiveSnapshot(), nkeys, 0);
 	index_rescan(scan, skey, nkeys, NULL, 0);
-	while (n < limit && index_getnext_slot(scan, ForwardScanDirection, slot))
+	while (seen++ < limit && index_getnext_slot(scan, ForwardScanDirection, slot))
 	{
 		/* A backlog can be millions of keys: stay cancellable. */
 		CHECK_FOR_INTERRUPTS();
-		if (n == alloc)
-		{
-			alloc = Min((int64) alloc * 2, (int64) limit);
-			*tids = repalloc(*tids, sizeof(ItemPointerData) * alloc);
-			*scopes = repalloc(*scopes, sizeof(text *) * alloc);
-			*keys = repalloc(*keys, sizeof(text *) * alloc);
-			if (sessions)
-				*sessions = repalloc(*sessions, sizeof(int64) * alloc);
-		}
 		slot_getsomeattrs(slot, lastcol);
 		if (slot->tts_isnull[KEYS_COL_SCOPE - 1] || slot->tts_isnull[KEYS_COL_KEY - 1])
 			ereport(ERROR,
@@ -563,20 +569,81 @@ row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
 					 errmsg("an idempotency key has no value in column \"%s\"",
 							slot->tts_isnull[KEYS_COL_SCOPE - 1] ? "scope" : "key"),
 					 errhint("Someone changed idempotency.keys outside the extension's functions.")));
-		(*tids)[n] = slot->tts_tid;
-		(*scopes)[n] = DatumGetTextPCopy(slot->tts_values[KEYS_COL_SCOPE - 1]);
-		(*keys)[n] = DatumGetTextPCopy(slot->tts_values[KEYS_COL_KEY - 1]);
-		if (sessions)
-			(*sessions)[n] = slot->tts_isnull[KEYS_COL_OWNER_SESSION - 1] ? 0 :
-				DatumGetInt64(slot->tts_values[KEYS_COL_OWNER_SESSION - 1]);
-		n++;
+		if (!visit(slot, arg))
+			break;
 	}
 	index_endscan(scan);
 	ExecDropSingleTupleTableSlot(slot);
 	PopActiveSnapshot();
 	index_close(index, NoLock);
 	table_close(heap, NoLock);
-	return n;
+}
+
+/* The candidates row_index_candidates collects. */
+typedef struct CandidateList
+{
+	int			n;
+	int			alloc;
+	int			limit;
+	ItemPointerData *tids;
+	text	  **scopes;
+	text	  **keys;
+	int64	   *sessions;		/* or NULL */
+} CandidateList;
+
+static bool
+candidate_add(TupleTableSlot *slot, void *arg)
+{
+	CandidateList *list = (CandidateList *) arg;
+
+	if (list->n == list->alloc)
+	{
+		list->alloc = Min((int64) list->alloc * 2, (int64) list->limit);
+		list->tids = repalloc(list->tids, sizeof(ItemPointerData) * list->alloc);
+		list->scopes = repalloc(list->scopes, sizeof(text *) * list->alloc);
+		list->keys = repalloc(list->keys, sizeof(text *) * list->alloc);
+		if (list->sessions)
+			list->sessions = repalloc(list->sessions, sizeof(int64) * list->alloc);
+	}
+	list->tids[list->n] = slot->tts_tid;
+	list->scopes[list->n] = DatumGetTextPCopy(slot->tts_values[KEYS_COL_SCOPE - 1]);
+	list->keys[list->n] = DatumGetTextPCopy(slot->tts_values[KEYS_COL_KEY - 1]);
+	if (list->sessions)
+		list->sessions[list->n] = slot->tts_isnull[KEYS_COL_OWNER_SESSION - 1] ? 0 :
+			DatumGetInt64(slot->tts_values[KEYS_COL_OWNER_SESSION - 1]);
+	list->n++;
+	return true;
+}
+
+/*
+ * Up to "limit" rows of the index "indexid" that match "skey" (nkeys: 0 or
+ * 1), in index order.  The arrays and texts are allocated in the current
+ * memory context.  With "sessions", the owner_session of each row too (0
+ * when NULL).  Returns how many.
+ */
+static int
+row_index_candidates(Oid indexid, ScanKey skey, int nkeys, int limit,
+					 ItemPointerData **tids, text ***scopes, text ***keys,
+					 int64 **sessions)
+{
+	CandidateList list;
+
+	list.n = 0;
+	list.limit = limit;
+	list.alloc = Min(limit, 256);
+	list.tids = palloc(sizeof(ItemPointerData) * list.alloc);
+	list.scopes = palloc(sizeof(text *) * list.alloc);
+	list.keys = palloc(sizeof(text *) * list.alloc);
+	list.sessions = sessions ? palloc(sizeof(int64) * list.alloc) : NULL;
+	row_index_scan(indexid, skey, nkeys, limit,
+				   sessions ? KEYS_COL_OWNER_SESSION : KEYS_COL_KEY,
+				   candidate_add, &list);
+	*tids = list.tids;
+	*scopes = list.scopes;
+	*keys = list.keys;
+	if (sessions)
+		*sessions = list.sessions;
+	return list.n;
 }
 
 /*
@@ -620,6 +687,120 @@ idem_row_session_candidates(int64 after, int limit, ItemPointerData **tids,
 				Int64GetDatum(after));
 	return row_index_candidates(catalog->session_idx, &skey, 1, limit,
 								tids, scopes, keys, sessions);
+}
+
+/*
+ * How many index entries idem_row_abandoned_candidates reads in the
+ * indexes shared by all scopes, per key it may return: a bound on what one
+ * call costs behind a sweep backlog, where the keys it does not reach are
+ * found once a sweep has reset them.
+ */
+#define ABANDONED_SCAN_FACTOR	16
+#define ABANDONED_SCAN_MIN		1024
+
+/* The candidates idem_row_abandoned_candidates collects. */
+typedef struct AbandonedList
+{
+	text	   *scope;
+	TimestampTz now;
+	int			n;
+	int			limit;
+	IdemAbandoned *items;
+} AbandonedList;
+
+static bool
+abandoned_add(TupleTableSlot *slot, void *arg)
+{
+	AbandonedList *list = (AbandonedList *) arg;
+	text	   *scope = DatumGetTextPP(slot->tts_values[KEYS_COL_SCOPE - 1]);
+	IdemRow		row;
+
+	if (VARSIZE_ANY_EXHDR(scope) != VARSIZE_ANY_EXHDR(list->scope) ||
+		memcmp(VARDATA_ANY(scope), VARDATA_ANY(list->scope),
+			   VARSIZE_ANY_EXHDR(scope)) != 0)
+		return true;
+	memset(&row, 0, sizeof(row));
+	row.found = true;
+	row_decode(slot, false, &row);
+	if (!idem_row_abandoned(&row, list->now))
+		return true;
+	for (int i = 0; i < list->n; i++)
+		if (ItemPointerEquals(&list->items[i].tid, &slot->tts_tid))
+			return true;
+	list->items[list->n].tid = slot->tts_tid;
+	list->items[list->n].key =
+		DatumGetTextPCopy(slot->tts_values[KEYS_COL_KEY - 1]);
+	list->items[list->n].lease_until = row.lease_until;
+	return ++list->n < list->limit;
+}
+
+static int
+abandoned_cmp(const void *a, const void *b)
+{
+	const IdemAbandoned *x = (const IdemAbandoned *) a;
+	const IdemAbandoned *y = (const IdemAbandoned *) b;
+	int			cmp;
+
+	if (x->lease_until != y->lease_until)
+		return x->lease_until < y->lease_until ? -1 : 1;
+	cmp = memcmp(VARDATA_ANY(x->key), VARDATA_ANY(y->key),
+				 Min(VARSIZE_ANY_EXHDR(x->key), VARSIZE_ANY_EXHDR(y->key)));
+	if (cmp != 0)
+		return cmp;
+	return (int) VARSIZE_ANY_EXHDR(x->key) - (int) VARSIZE_ANY_EXHDR(y->key);
+}
+
+/*
+ * Up to "limit" keys of "scope" that look abandoned at "now" (as
+ * idem_row_abandoned judges them; the caller judges each again under its
+ * lock), oldest lease first.  Three places hold them: keys_abandoned_idx,
+ * the keys a sweep reset, of this scope only; keys_sweep_at_idx up to
+ * "now", where a pending key whose lease ended stays until a sweep visits
+ * it; keys_owner_session_idx, the pending session-bound keys, whose
+ * owner's session may have ended.  The last two are shared by every scope,
+ * so only the first ABANDONED_SCAN_FACTOR entries per key (at least
+ * ABANDONED_SCAN_MIN) of each are read.
+ */
+int
+idem_row_abandoned_candidates(text *scope, TimestampTz now, int limit,
+							  IdemAbandoned **found)
+{
+	const IdemCatalog *catalog = idem_catalog();
+	int64		cap = Max((int64) limit * ABANDONED_SCAN_FACTOR,
+						  ABANDONED_SCAN_MIN);
+	AbandonedList list;
+	ScanKeyData skey;
+
+	list.scope = scope;
+	list.now = now;
+	list.n = 0;
+	list.limit = limit;
+	list.items = palloc(sizeof(IdemAbandoned) * limit);
+
+	if (OidIsValid(catalog->abandoned_idx))
+	{
+		ScanKeyInit(&skey, 1, BTEqualStrategyNumber, F_TEXTEQ,
+					PointerGetDatum(scope));
+		row_index_scan(catalog->abandoned_idx, &skey, 1, PG_INT64_MAX,
+					   catalog->ncols, abandoned_add, &list);
+	}
+	if (list.n < limit)
+	{
+		ScanKeyInit(&skey, 1, BTLessEqualStrategyNumber, F_TIMESTAMPTZ_LE,
+					TimestampTzGetDatum(now));
+		row_index_scan(catalog->sweep_idx, &skey, 1, cap, catalog->ncols,
+					   abandoned_add, &list);
+	}
+	if (list.n < limit && OidIsValid(catalog->session_idx))
+	{
+		ScanKeyInit(&skey, 1, BTGreaterStrategyNumber, F_INT8GT,
+					Int64GetDatum(0));
+		row_index_scan(catalog->session_idx, &skey, 1, cap, catalog->ncols,
+					   abandoned_add, &list);
+	}
+	qsort(list.items, list.n, sizeof(IdemAbandoned), abandoned_cmp);
+	*found = list.items;
+	return list.n;
 }
 
 /*

@@ -220,7 +220,7 @@ idem_stats_counters(PG_FUNCTION_ARGS)
 	{
 		StatsEntry *e = &stats_shared->entries[i];
 
-		/* dbid, the 1.0 counters, the last sweep, the 1.4 counters */
+		/* dbid, the 1.0 counters, the last sweep, the later counters */
 		Datum		values[IDEM_STAT_NCOUNTERS + 3];
 		bool		nulls[IDEM_STAT_NCOUNTERS + 3] = {0};
 		const int	sweep_col = IDEM_STAT_CHECKPOINTS + 1;

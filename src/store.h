@@ -48,7 +48,9 @@ typedef enum KeysColumn
 	KEYS_COL_OWNER_SESSION,
 	/* appended in extension version 1.7 */
 	KEYS_COL_REMEMBER,
-	KEYS_NCOLS = KEYS_COL_REMEMBER
+	/* appended in extension version 1.8 */
+	KEYS_COL_REQUEST,
+	KEYS_NCOLS = KEYS_COL_REQUEST
 } KeysColumn;
 
 /*
@@ -57,8 +59,10 @@ typedef enum KeysColumn
  * reads and writes only the columns the table has (IdemCatalog.ncols).
  */
 #define KEYS_NCOLS_1_0			KEYS_COL_SWEEP_AT
-/* ... and as versions 1.4 to 1.6 create it. */
+/* ... and as versions 1.4 to 1.6 create it ... */
 #define KEYS_NCOLS_1_4			KEYS_COL_OWNER_SESSION
+/* ... and as version 1.7 creates it. */
+#define KEYS_NCOLS_1_7			KEYS_COL_REMEMBER
 
 /* The bit of column "col" in a set of columns (a write rule's). */
 #define KEYS_COL_BIT(col)				(1u << ((col) - 1))
@@ -86,8 +90,11 @@ typedef struct IdemCatalog
 	Oid			sweep_idx;		/* keys_sweep_at_idx: (sweep_at) */
 	Oid			session_idx;	/* keys_owner_session_idx, or InvalidOid
 								 * before 1.4 */
-	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_4 / _1_0 on a
-								 * table not updated yet */
+	Oid			abandoned_idx;	/* keys_abandoned_idx: (scope, lease_until) of
+								 * the keys a sweep reset, or InvalidOid
+								 * before 1.8 */
+	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_7 / _1_4 / _1_0
+								 * on a table not updated yet */
 	Oid			token_seq;
 	Oid			owner;			/* owner of idempotency.keys */
 	bool		user_code;		/* a write can run code a user attached to the

@@ -18,16 +18,22 @@
  * session-bound key whose session ended is treated as if its lease had
  * ended: reset (or deleted, past its retention) without waiting for the
  * lease; such keys are found through keys_owner_session_idx whenever a
- * session with a binding ended since the last look.  Must not commit:
- * callers decide the transaction boundaries.
+ * session with a binding ended since the last look.  A reset key is
+ * abandoned: the sweep notifies idempotency_abandoned with its scope, so
+ * that completers waiting on that channel take it over (PostgreSQL sends
+ * a notification once per transaction however often it is queued, and
+ * only at commit).  Must not commit: callers decide the transaction
+ * boundaries.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "commands/async.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
+#include "utils/builtins.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
@@ -40,6 +46,8 @@ PG_FUNCTION_INFO_V1(idem_sweep);
 #define SWEEP_CHUNK			128
 /* Rows of keys_owner_session_idx read at a time. */
 #define SESSION_SCAN_CHUNK	4096
+/* What completers listen on; the payload is the scope. */
+#define ABANDONED_CHANNEL	"idempotency_abandoned"
 
 /*
  * Is the key pending under a lease that still runs at "now", held by a
@@ -89,6 +97,7 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 	uint64		locked[SWEEP_CHUNK];
 	IdemSweepItem work[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
 	uint64		work_hash[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
+	text	   *work_scope[IDEM_SWEEP_NKINDS][SWEEP_CHUNK];
 	int			nwork[IDEM_SWEEP_NKINDS] = {0};
 	int			done[IDEM_SWEEP_NKINDS];
 	int			nlocked = 0;
@@ -138,6 +147,7 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 		work[kind][nwork[kind]].tid = row.tid;
 		work[kind][nwork[kind]].sweep_at =
 			sweep_due(&row, kind, now);
+		work_scope[kind][nwork[kind]] = scopes[i];
 		work_hash[kind][nwork[kind]++] = hash;
 	}
 
@@ -155,6 +165,10 @@ sweep_chunk(ItemPointerData *tids, text **scopes, text **keys, int n,
 	}
 	for (int i = 0; i < nlocked; i++)
 		idem_key_unlock(locked[i]);
+	for (int i = 0; i < nwork[IDEM_SWEEP_RESET]; i++)
+		if (work[IDEM_SWEEP_RESET][i].done)
+			Async_Notify(ABANDONED_CHANNEL,
+						 text_to_cstring(work_scope[IDEM_SWEEP_RESET][i]));
 
 	/* a compacted key's response is gone: it counts as expired */
 	*expired += done[IDEM_SWEEP_DELETE] + done[IDEM_SWEEP_COMPACT];

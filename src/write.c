@@ -51,6 +51,7 @@ typedef enum WriteKind
 	WRITE_CLAIM_INSERT,
 	WRITE_CLAIM_RENEW,
 	WRITE_CLAIM_TAKEOVER,
+	WRITE_CLAIM_TAKEOVER_REQUEST,
 	WRITE_FINISH,
 	WRITE_CHECKPOINT,
 	WRITE_EXTEND,
@@ -79,21 +80,30 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	/* a fresh claim over a row past its retention: its checkpoint goes */
 	[WRITE_CLAIM_RENEW] = {CMD_UPDATE,
 	ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY)), false},
-	/* a takeover: the new attempt resumes from the last checkpoint */
+
+	/*
+	 * A takeover: the new attempt resumes from the last checkpoint, with the
+	 * request an earlier attempt kept ...
+	 */
 	[WRITE_CLAIM_TAKEOVER] = {CMD_UPDATE,
+		ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY) |
+						CHECKPOINT_COLUMNS | KEYS_COL_BIT(KEYS_COL_REQUEST)), false},
+	/* ... or keeping its own (the same request: the fingerprints match) */
+	[WRITE_CLAIM_TAKEOVER_REQUEST] = {CMD_UPDATE,
 		ALL_COLUMNS & ~(KEYS_COL_BIT(KEYS_COL_SCOPE) | KEYS_COL_BIT(KEYS_COL_KEY) |
 						CHECKPOINT_COLUMNS), false},
 
 	/*
-	 * A finished key is bound to no session.  Setting owner_session from NULL
-	 * to NULL changes nothing, so a plain claim's finish stays a HOT update.
+	 * A finished key is bound to no session and keeps no request.  Setting
+	 * owner_session from NULL to NULL changes nothing, so a plain claim's
+	 * finish stays a HOT update.
 	 */
 	[WRITE_FINISH] = {CMD_UPDATE,
 		KEYS_COL_BIT(KEYS_COL_STATUS) | KEYS_COL_BIT(KEYS_COL_RESPONSE_CODE) |
 		KEYS_COL_BIT(KEYS_COL_RESPONSE_BODY) | KEYS_COL_BIT(KEYS_COL_FINISHED_AT) |
 		KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT) |
 		KEYS_COL_BIT(KEYS_COL_SWEEP_AT) | KEYS_COL_BIT(KEYS_COL_OWNER_SESSION) |
-	KEYS_COL_BIT(KEYS_COL_REMEMBER), false},
+	KEYS_COL_BIT(KEYS_COL_REMEMBER) | KEYS_COL_BIT(KEYS_COL_REQUEST), false},
 	[WRITE_CHECKPOINT] = {CMD_UPDATE, CHECKPOINT_COLUMNS, false},
 	[WRITE_EXTEND] = {CMD_UPDATE,
 	KEYS_COL_BIT(KEYS_COL_LEASE_UNTIL) | KEYS_COL_BIT(KEYS_COL_EXPIRES_AT), false},
@@ -113,7 +123,7 @@ static const WriteRule write_rules[NUM_WRITE_KINDS] = {
 	/* a remembered key keeps its outcome, not what it answered with */
 	[WRITE_SWEEP_COMPACT] = {CMD_UPDATE,
 		KEYS_COL_BIT(KEYS_COL_RESPONSE_BODY) | KEYS_COL_BIT(KEYS_COL_SWEEP_AT) |
-	CHECKPOINT_COLUMNS, true},
+	CHECKPOINT_COLUMNS | KEYS_COL_BIT(KEYS_COL_REQUEST), true},
 };
 
 /*
@@ -516,17 +526,20 @@ write_direct(IdemDirect *direct, const WriteRule *rule, uint32 columns,
 
 /*
  * Apply the write "kind" to "n" rows, directly when the table allows, else
- * by its statement; returns how many it wrote.  A row that is not written
- * is skipped under a sweep's rule, and an error under any other.
+ * by its statement; returns how many it wrote, and, with "done", which.  A
+ * row that is not written is skipped under a sweep's rule, and an error
+ * under any other.
  */
 static int
-write_apply(WriteKind kind, WriteRow *rows, int n)
+write_apply(WriteKind kind, WriteRow *rows, int n, bool *done_rows)
 {
 	const WriteRule *rule = &write_rules[kind];
 	WriteSection section;
 	IdemDirect	direct;
 	int			done = 0;
 
+	for (int i = 0; done_rows && i < n; i++)
+		done_rows[i] = true;
 	write_section_begin(&section);
 	if (idem_direct_begin(&direct))
 	{
@@ -541,6 +554,8 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 				done++;
 			else if (!rule->skip_busy)
 				write_raise_vanished();
+			else if (done_rows)
+				done_rows[i] = false;
 		}
 		idem_direct_end(&direct);
 	}
@@ -572,6 +587,8 @@ write_apply(WriteKind kind, WriteRow *rows, int n)
 				done++;
 			else if (!rule->skip_busy)
 				write_raise_vanished();
+			else if (done_rows)
+				done_rows[i] = false;
 		}
 		if (SPI_finish() != SPI_OK_FINISH)
 			elog(ERROR, "SPI_finish failed");
@@ -651,7 +668,7 @@ write_set_pending_attempt(WriteRow *row, int64 token, int32 attempt,
 						  const uint8 *fingerprint, TimestampTz created_at,
 						  TimestampTz lease_until, TimestampTz expires_at,
 						  Interval *retention, TimestampTz sweep_at, int64 owner_session,
-						  Interval *remember)
+						  Interval *remember, Datum request)
 {
 	write_set(row, KEYS_COL_STATUS, CStringGetTextDatum(idem_status_names[IDEM_PENDING]));
 	write_set(row, KEYS_COL_TOKEN, Int64GetDatum(token));
@@ -672,6 +689,10 @@ write_set_pending_attempt(WriteRow *row, int64 token, int32 attempt,
 	else
 		write_set_null(row, KEYS_COL_OWNER_SESSION);
 	write_set_remember(row, remember);
+	if (request != (Datum) 0)
+		write_set(row, KEYS_COL_REQUEST, request);
+	else
+		write_set_null(row, KEYS_COL_REQUEST);
 }
 
 /* Insert a new pending key (first attempt). */
@@ -680,7 +701,7 @@ idem_write_insert_claim(text *scope, text *key, int64 token,
 						const uint8 *fingerprint, TimestampTz now,
 						TimestampTz lease_until, TimestampTz expires_at,
 						Interval *retention, int64 owner_session,
-						Interval *remember)
+						Interval *remember, Datum request)
 {
 	WriteRow	row;
 
@@ -688,31 +709,34 @@ idem_write_insert_claim(text *scope, text *key, int64 token,
 	write_set(&row, KEYS_COL_SCOPE, PointerGetDatum(scope));
 	write_set(&row, KEYS_COL_KEY, PointerGetDatum(key));
 	write_set_pending_attempt(&row, token, 1, fingerprint, now, lease_until, expires_at,
-							  retention, lease_until, owner_session, remember);
-	(void) write_apply(WRITE_CLAIM_INSERT, &row, 1);
+							  retention, lease_until, owner_session, remember,
+							  request);
+	(void) write_apply(WRITE_CLAIM_INSERT, &row, 1, NULL);
 }
 
 /*
  * Turn the probed row into a new pending attempt: a takeover (attempt + 1,
- * which keeps the last checkpoint) or a fresh claim over a row past its
- * retention (attempt 1, which clears it).  owner_session is the claiming
- * session's binding, or 0.
+ * which keeps the last checkpoint, and the kept request unless "request"
+ * replaces it) or a fresh claim over a row past its retention (attempt 1,
+ * which clears both; "request" is kept, or 0).  owner_session is the
+ * claiming session's binding, or 0.
  */
 void
 idem_write_update_claim(const IdemRow *old, int64 token, int32 attempt,
 						const uint8 *fingerprint, TimestampTz created_at,
 						TimestampTz lease_until, TimestampTz expires_at,
 						Interval *retention, int64 owner_session,
-						Interval *remember)
+						Interval *remember, Datum request)
 {
 	WriteRow	row;
 
 	write_row_begin(&row, &old->tid);
 	write_set_pending_attempt(&row, token, attempt, fingerprint, created_at, lease_until,
 							  expires_at, retention, write_sweep_at(old, lease_until),
-							  owner_session, remember);
-	(void) write_apply(attempt > 1 ? WRITE_CLAIM_TAKEOVER : WRITE_CLAIM_RENEW,
-					   &row, 1);
+							  owner_session, remember, request);
+	(void) write_apply(attempt == 1 ? WRITE_CLAIM_RENEW :
+					   request != (Datum) 0 ? WRITE_CLAIM_TAKEOVER_REQUEST :
+					   WRITE_CLAIM_TAKEOVER, &row, 1, NULL);
 }
 
 /* Store the result of the probed pending row. */
@@ -740,7 +764,8 @@ idem_write_finish(const IdemRow *old, IdemStatus status, bool has_code,
 			  TimestampTzGetDatum(write_sweep_at(old, expires_at)));
 	write_set_null(&row, KEYS_COL_OWNER_SESSION);
 	write_set_remember(&row, remember);
-	(void) write_apply(WRITE_FINISH, &row, 1);
+	write_set_null(&row, KEYS_COL_REQUEST);
+	(void) write_apply(WRITE_FINISH, &row, 1, NULL);
 }
 
 /*
@@ -763,7 +788,7 @@ idem_write_checkpoint(const IdemRow *old, Datum phase, Datum data)
 		write_set(&row, KEYS_COL_PHASE_DATA, data);
 	else
 		write_set_null(&row, KEYS_COL_PHASE_DATA);
-	(void) write_apply(WRITE_CHECKPOINT, &row, 1);
+	(void) write_apply(WRITE_CHECKPOINT, &row, 1, NULL);
 }
 
 /* Push the lease (and the pending expiry) of the probed row. */
@@ -776,7 +801,7 @@ idem_write_extend(const IdemRow *old, TimestampTz lease_until,
 	write_row_begin(&row, &old->tid);
 	write_set(&row, KEYS_COL_LEASE_UNTIL, TimestampTzGetDatum(lease_until));
 	write_set(&row, KEYS_COL_EXPIRES_AT, TimestampTzGetDatum(expires_at));
-	(void) write_apply(WRITE_EXTEND, &row, 1);
+	(void) write_apply(WRITE_EXTEND, &row, 1, NULL);
 }
 
 /* Delete the probed row. */
@@ -786,7 +811,7 @@ idem_write_release(const IdemRow *old)
 	WriteRow	row;
 
 	write_row_begin(&row, &old->tid);
-	(void) write_apply(WRITE_RELEASE, &row, 1);
+	(void) write_apply(WRITE_RELEASE, &row, 1, NULL);
 }
 
 /*
@@ -798,7 +823,7 @@ idem_write_release(const IdemRow *old)
  * skipped.  Returns how many rows it changed.
  */
 int
-idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
+idem_write_sweep(IdemSweepWork work, IdemSweepItem *items, int n)
 {
 	static const WriteKind kinds[IDEM_SWEEP_NKINDS] = {
 		[IDEM_SWEEP_DELETE] = WRITE_SWEEP_DELETE,
@@ -807,11 +832,13 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 		[IDEM_SWEEP_COMPACT] = WRITE_SWEEP_COMPACT,
 	};
 	WriteRow   *rows;
+	bool	   *done_rows;
 	int			done;
 
 	if (n == 0)
 		return 0;
 	rows = palloc(sizeof(WriteRow) * n);
+	done_rows = palloc(sizeof(bool) * n);
 	for (int i = 0; i < n; i++)
 	{
 		write_row_begin(&rows[i], &items[i].tid);
@@ -821,8 +848,12 @@ idem_write_sweep(IdemSweepWork work, const IdemSweepItem *items, int n)
 		write_set_null(&rows[i], KEYS_COL_RESPONSE_BODY);
 		write_set_null(&rows[i], KEYS_COL_PHASE);
 		write_set_null(&rows[i], KEYS_COL_PHASE_DATA);
+		write_set_null(&rows[i], KEYS_COL_REQUEST);
 	}
-	done = write_apply(kinds[work], rows, n);
+	done = write_apply(kinds[work], rows, n, done_rows);
+	for (int i = 0; i < n; i++)
+		items[i].done = done_rows[i];
+	pfree(done_rows);
 	pfree(rows);
 	return done;
 }
