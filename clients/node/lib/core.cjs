@@ -27,6 +27,8 @@ const MIN_EXTENSION_VERSION = '1.0';
 const RECOVERY_EXTENSION_VERSION = '1.4';
 /* remembered keys (idem_claim's and idem_finish's remember argument) came with 1.7 */
 const REMEMBER_EXTENSION_VERSION = '1.7';
+/* completers (idem_claim_abandoned, idem_claim's keep_request) came with 1.8 */
+const COMPLETER_EXTENSION_VERSION = '1.8';
 
 /* SQLSTATEs of the extension this client reacts to */
 const SQLSTATE = {
@@ -60,10 +62,10 @@ const UNAVAILABLE_SQLSTATES = new Set(['57P01', '57P02', '57P03', '53300', '55P0
  * through to_jsonb, so that the statement also runs on extension versions
  * before 1.4, which have neither column (both read as NULL there); only a
  * takeover can carry them, so no other outcome pays for the conversion.
- * session_bound is named only when it is true, for the same reason, and
- * remember only when the caller set it (rememberArg).
+ * session_bound and keep_request are named only when they are true, for the
+ * same reason, and remember only when the caller set it (rememberArg).
  */
-const claimSql = (sessionBound, remember) => `
+const claimSql = (sessionBound, remember, keepRequest) => `
 SELECT c.outcome, c.token::text AS token, c.attempt, c.status, c.response_code,
        (c.response_body -> 'headers')::text AS headers,
        (c.response_body -> 'json')::text AS json,
@@ -80,7 +82,8 @@ SELECT c.outcome, c.token::text AS token, c.attempt, c.status, c.response_code,
                               retention => pg_catalog.make_interval(secs => $5::float8),
                               wait => pg_catalog.make_interval(secs => $6::float8)${
 	sessionBound ? ',\n                              session_bound => true' : ''}${
-	remember ? rememberArg(7) : ''}) AS c`;
+	remember ? rememberArg(7) : ''}${
+	keepRequest ? ',\n                              keep_request => true' : ''}) AS c`;
 
 /*
  * The remember argument of idem_claim and idem_finish, as parameter $n: named
@@ -91,16 +94,21 @@ function rememberArg(n) {
 	return `,\n                              remember => pg_catalog.make_interval(secs => $${n}::float8)`;
 }
 
-/* each statement's text, by whether it names session_bound and remember */
-const CLAIM_SQL = [claimSql(false, false), claimSql(false, true)];
-const SESSION_BOUND_CLAIM_SQL = [claimSql(true, false), claimSql(true, true)];
+/* each statement's text, by which of session_bound, remember and keep_request it names */
+const CLAIM_SQL = new Map();
+for (const sessionBound of [false, true])
+	for (const remember of [false, true])
+		for (const keepRequest of [false, true])
+			CLAIM_SQL.set(`${sessionBound}/${remember}/${keepRequest}`, claimSql(sessionBound, remember, keepRequest));
 
 /* the claim's statement and parameters; remember is null when not set */
-function claimStatement({ key, request, scope, lease, retention, wait, sessionBound = false, remember = null }) {
+function claimStatement({
+	key, request, scope, lease, retention, wait, sessionBound = false, remember = null, keepRequest = false,
+}) {
 	const params = [key, request, scope, lease, retention, wait];
 	if (remember !== null)
 		params.push(remember);
-	return { sql: (sessionBound ? SESSION_BOUND_CLAIM_SQL : CLAIM_SQL)[remember === null ? 0 : 1], params };
+	return { sql: CLAIM_SQL.get(`${sessionBound}/${remember !== null}/${keepRequest}`), params };
 }
 
 const CHECKPOINT_SQL = `
@@ -313,6 +321,21 @@ function requireRemember(info, remember) {
 		requireVersion(info, REMEMBER_EXTENSION_VERSION, ' (remember)');
 }
 
+/* the keepRequest option: a boolean, false when not set */
+function keepRequestOption(value) {
+	if (value === undefined || value === null)
+		return false;
+	if (typeof value !== 'boolean')
+		throw new TypeError(`keepRequest must be a boolean, got ${String(value)}`);
+	return value;
+}
+
+/* keepRequest needs 1.8; without it nothing does */
+function requireKeepRequest(info, keepRequest) {
+	if (keepRequest)
+		requireVersion(info, COMPLETER_EXTENSION_VERSION, ' (keepRequest)');
+}
+
 function positiveSeconds(value, name, fallback) {
 	const s = seconds(value, name, fallback);
 	if (s <= 0)
@@ -444,9 +467,9 @@ const HOOKS = {
 	onExpired: 'expired', onError: 'error',
 };
 
-function makeHooks(options, log) {
+function makeHooks(options, log, names = HOOKS) {
 	const hooks = {};
-	for (const [option, name] of Object.entries(HOOKS)) {
+	for (const [option, name] of Object.entries(names)) {
 		const fn = options?.[option] ?? null;
 		if (fn !== null && typeof fn !== 'function')
 			throw new TypeError(`${option} must be a function, got ${typeof fn}`);
@@ -468,7 +491,9 @@ module.exports = {
 	DEFAULT_LEASE,
 	DEFAULT_RETENTION,
 	RECOVERY_EXTENSION_VERSION,
+	COMPLETER_EXTENSION_VERSION,
 	SQLSTATE,
+	FINISH_SQL,
 	rememberArg,
 	claimStatement,
 	isUnavailable,
@@ -481,7 +506,10 @@ module.exports = {
 	positiveSeconds,
 	rememberSeconds,
 	requireRemember,
+	keepRequestOption,
+	requireKeepRequest,
 	toJsonText,
+	queryWithRetry,
 	startHeartbeat,
 	defaultLog,
 	makeHooks,

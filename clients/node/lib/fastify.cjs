@@ -11,7 +11,7 @@ const { Transform } = require('node:stream');
 const { keyLinesOf } = require('./header.cjs');
 const { FRAMING_HEADERS, bodyLimit, TOO_LARGE, toBuffer, hasBody } = require('./bodies.cjs');
 const { createEngine, THREW, ATTEMPT } = require('./http.cjs');
-const { rememberSeconds } = require('./core.cjs');
+const { rememberSeconds, keepRequestOption } = require('./core.cjs');
 
 const RAW_BODY = Symbol.for('pg-idempotency.rawBody');
 const BODY_TOO_LARGE = Symbol('pg-idempotency.bodyTooLarge');
@@ -33,7 +33,8 @@ function readStream(stream) {
  * turns it off, config: { idempotency: { transactional: true } } runs the
  * route in one transaction on request.idempotency.client, and
  * config: { idempotency: { remember: seconds } } replaces the remember option
- * for the route.
+ * for the route, and config: { idempotency: { keepRequest: boolean } } the
+ * keepRequest option.
  */
 async function fastifyIdempotency(fastify, options) {
 	const engine = createEngine(options);
@@ -45,11 +46,14 @@ async function fastifyIdempotency(fastify, options) {
 
 	const routeSetting = (request) => request.routeOptions?.config?.idempotency;
 
-	/* a route's own remember is checked when the route is added, not at its first request */
+	/* a route's own remember and keepRequest are checked when the route is added, not at its first request */
 	fastify.addHook('onRoute', (route) => {
 		const remember = route.config?.idempotency?.remember;
 		if (remember !== undefined)
 			rememberSeconds(remember);
+		const keepRequest = route.config?.idempotency?.keepRequest;
+		if (keepRequest !== undefined)
+			keepRequestOption(keepRequest);
 	});
 
 	/* keep the raw bytes for the fingerprint (at most maxBodySize + 1), whatever the content type parser does */
@@ -99,7 +103,11 @@ async function fastifyIdempotency(fastify, options) {
 			rawBody: async () => (request[BODY_TOO_LARGE] ? TOO_LARGE : request[RAW_BODY] ?? Buffer.alloc(0)),
 			onTimeout: (response) => onTimeout?.(response),
 			original: request,
-		}, { transactional: setting?.transactional === true, remember: setting?.remember });
+		}, {
+			transactional: setting?.transactional === true,
+			remember: setting?.remember,
+			keepRequest: setting?.keepRequest,
+		});
 		if (started.action === 'pass')
 			return;
 		if (started.action === 'respond') {

@@ -6,7 +6,8 @@
  * with a replay, a problem (PROBLEMS) or a run of the handler, whose response
  * it stores or releases per the status policy before it is sent.  The
  * adapters only translate their framework's request and response to and from
- * it, so both behave alike.
+ * it, so both behave alike.  With keepRequest the claim stores the request
+ * (method, path, body) with the key, for a completer to finish it from.
  */
 
 const { createHash } = require('node:crypto');
@@ -14,7 +15,7 @@ const { IdempotencyError, KeyLostError, MisconfiguredError } = require('./errors
 const {
 	DEFAULT_LEASE, DEFAULT_RETENTION, SQLSTATE, rememberArg, claimStatement, isUnavailable, knownDatabase,
 	misconfigurationDetail, poolInfo, isLostKey, seconds, positiveSeconds, rememberSeconds, requireRemember,
-	toJsonText, startHeartbeat, defaultLog, makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
+	keepRequestOption, requireKeepRequest, toJsonText, startHeartbeat, defaultLog, makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
 } = require('./core.cjs');
 const { parseIdempotencyKey, checkCustomKey } = require('./header.cjs');
 const {
@@ -154,6 +155,12 @@ function createEngine(options) {
 	 * applies.  Fastify routes may set their own (config.idempotency.remember).
 	 */
 	const remember = rememberSeconds(options.remember);
+	/*
+	 * Store the request with the key (extension 1.8), so that a completer can
+	 * finish a request whose process died.  Fastify routes may set their own
+	 * (config.idempotency.keepRequest).
+	 */
+	const keepRequest = keepRequestOption(options.keepRequest);
 	const handlerTimeout = options.handlerTimeout === 0 || options.handlerTimeout === null ? 0
 		: positiveSeconds(options.handlerTimeout, 'handlerTimeout', DEFAULT_HANDLER_TIMEOUT);
 	const maxBodySize = bodyLimit(options.maxBodySize);
@@ -266,7 +273,23 @@ function createEngine(options) {
 		});
 	}
 
-	async function begin(req, { transactional = false, remember: routeRemember } = {}) {
+	/*
+	 * The request a claim with keepRequest stores, which is also what its
+	 * fingerprint hashes: the body itself, as its JSON text (compared as
+	 * jsonb, as with canonicalJson) or as base64, so that a completer can run
+	 * the request again from it.
+	 */
+	function keptRequest(method, path, contentType, body) {
+		const head = `{"method":${JSON.stringify(method)},"path":${JSON.stringify(path)}`;
+		if (isJsonType(contentType)) {
+			const text = jsonText(body);
+			if (text !== null)
+				return `${head},"body":${text}}`;
+		}
+		return `${head},"body_base64":"${body.toString('base64')}"}`;
+	}
+
+	async function begin(req, { transactional = false, remember: routeRemember, keepRequest: routeKeep } = {}) {
 		if (!methods.has(String(req.method).toUpperCase()))
 			return { action: 'pass' };
 		let parsed;
@@ -300,6 +323,7 @@ function createEngine(options) {
 			return tooLarge();
 
 		const key = parsed.key;
+		const keeping = routeKeep === undefined ? keepRequest : keepRequestOption(routeKeep);
 		let requestText;
 		if (fingerprintOf) {
 			/*
@@ -330,7 +354,8 @@ function createEngine(options) {
 			}
 			if (body === TOO_LARGE)
 				return tooLarge();
-			requestText = defaultFingerprint(String(req.method).toUpperCase(), req.path, req.contentType, body);
+			requestText = (keeping ? keptRequest : defaultFingerprint)(
+				String(req.method).toUpperCase(), req.path, req.contentType, body);
 		}
 		const scope = String((await scopeOf(req.original)) ?? '');
 		const cacheId = `${scope}\u0000${key}`;
@@ -345,7 +370,7 @@ function createEngine(options) {
 
 		const keep = routeRemember === undefined ? remember : rememberSeconds(routeRemember);
 		const { sql: claimSql, params: claimParams } = claimStatement({
-			key, request: requestText, scope, lease, retention, wait, remember: keep,
+			key, request: requestText, scope, lease, retention, wait, remember: keep, keepRequest: keeping,
 		});
 		let client = null;
 		let claim;
@@ -353,6 +378,7 @@ function createEngine(options) {
 		try {
 			info = await poolInfo(pool, log);
 			requireRemember(info, keep);
+			requireKeepRequest(info, keeping);
 			if (transactional) {
 				client = await pool.connect();
 				await client.query('BEGIN');
@@ -375,6 +401,14 @@ function createEngine(options) {
 		} catch (err) {
 			if (client)
 				await discard(client);
+			/* a request the server will not keep with its key: the client's to shorten, the key unused */
+			if (keeping && err?.code === SQLSTATE.tooLarge)
+				return {
+					action: 'respond',
+					response: problem('idempotency-request-too-large', 413,
+						'The request is larger than the server keeps with an Idempotency-Key ' +
+						'(idempotency.max_response_size); the Idempotency-Key was not used.'),
+				};
 			hooks.error({ key, scope, request: req.original, error: err });
 			return { action: 'respond', response: claimFailure(err, info?.database ?? knownDatabase(pool)) };
 		}

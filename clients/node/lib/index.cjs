@@ -22,19 +22,25 @@
  * step with idem_checkpoint; an attempt that takes the key over gets it back
  * as phase and phaseData, and resumes after that step.
  *
+ * Completers (extension 1.8): a key claimed with keepRequest stores its
+ * request; completer() takes over the keys of a scope whose attempt died
+ * (idem_claim_abandoned, woken by the sweep's NOTIFY) and runs the job's
+ * handler from the last recovery point with that request.
+ *
  * The files, one job each; this one only assembles the public API:
  *
- *   errors.cjs   the error classes the application catches
- *   core.cjs     what jobs and HTTP share: the statements, SQLSTATEs, the
- *                extension's version and settings, and a claimed attempt's
- *                lease, checkpoints, finish and release
- *   jobs.cjs     idempotent(), idempotentJob(), currentJob()
- *   header.cjs   the Idempotency-Key header
- *   bodies.cjs   request and response bodies as bytes, and their framing
- *   cache.cjs    the optional in-process cache of finished results
- *   http.cjs     the HTTP engine: claim, replay, problems, the store policy
- *   express.cjs  the Express middleware and the rawBody verify hook
- *   fastify.cjs  the Fastify plugin
+ *   errors.cjs     the error classes the application catches
+ *   core.cjs       what jobs and HTTP share: the statements, SQLSTATEs, the
+ *                  extension's version and settings, and a claimed attempt's
+ *                  lease, checkpoints, finish and release
+ *   jobs.cjs       idempotent(), idempotentJob(), currentJob()
+ *   header.cjs     the Idempotency-Key header
+ *   bodies.cjs     request and response bodies as bytes, and their framing
+ *   cache.cjs      the optional in-process cache of finished results
+ *   http.cjs       the HTTP engine: claim, replay, problems, the store policy
+ *   express.cjs    the Express middleware and the rawBody verify hook
+ *   fastify.cjs    the Fastify plugin
+ *   completer.cjs  completer(): abandoned keys finished from their recovery point
  */
 
 const {
@@ -46,11 +52,13 @@ const { MAX_KEY_LENGTH, parseIdempotencyKey } = require('./header.cjs');
 const { PROBLEMS, defaultStorePolicy, idempotencyContext } = require('./http.cjs');
 const { expressIdempotency, rawBody } = require('./express.cjs');
 const { fastifyIdempotency } = require('./fastify.cjs');
+const { completer } = require('./completer.cjs');
 
 module.exports = {
 	idempotent,
 	idempotentJob,
 	currentJob,
+	completer,
 	expressIdempotency,
 	fastifyIdempotency,
 	rawBody,

@@ -101,6 +101,14 @@ export interface IdempotentOptions extends Hooks {
 	 * setting. Needs extension version 1.7 (MisconfiguredError before the claim otherwise).
 	 */
 	remember?: Seconds | null;
+	/**
+	 * Store the request with the key while it is pending (extension 1.8), so that a completer()
+	 * can finish the job from its last recovery point if this process dies. Over the server's
+	 * idempotency.max_response_size the claim fails (SQLSTATE 54000). Default false: nothing is
+	 * sent, and older extensions keep working; true on an older one throws MisconfiguredError
+	 * before the claim.
+	 */
+	keepRequest?: boolean;
 }
 
 export interface CheckpointOptions {
@@ -136,6 +144,11 @@ export interface AttemptInfo extends RecoveryPoint {
 	token: string;
 	/** 1 for the first attempt; more means an earlier attempt may have run partly. */
 	attempt: number;
+	/**
+	 * The job's payload: options.request of idempotent() as given (null without one), or the
+	 * request a completer found stored with the key (as JSON gives it back).
+	 */
+	request: unknown;
 	/** Aborts (with a KeyLostError reason) when the key is lost to a takeover. */
 	signal: AbortSignal;
 }
@@ -243,6 +256,16 @@ export interface HttpOptions<Req> extends Hooks<Req> {
 	 * idempotency-misconfigured naming it. Fastify routes can set their own.
 	 */
 	remember?: Seconds | null;
+	/**
+	 * Store the request with the key while it is pending (extension 1.8), so that a completer()
+	 * (kind 'http') can finish it if this process dies. The stored request is also what the
+	 * fingerprint hashes: {method, path, body} with a JSON body compared as jsonb (as with
+	 * canonicalJson), {method, path, body_base64} for any other body, or what fingerprint()
+	 * returns. A request over the server's idempotency.max_response_size gets 413. Older
+	 * extensions answer 500 idempotency-misconfigured naming the version. Default false.
+	 * Fastify routes can set their own.
+	 */
+	keepRequest?: boolean;
 	/** What a response status does to the key. Default: defaultStorePolicy. Overrides storeServerErrors. */
 	storePolicy?: (status: number) => StoreDecision;
 	/** Store a 5xx the handler sends as failed (replayed) instead of releasing the key. A thrown error still releases. Default false. */
@@ -319,8 +342,8 @@ export function expressIdempotency<Req extends IncomingMessage = IncomingMessage
 	options: HttpOptions<Req>,
 ): ExpressIdempotencyMiddleware;
 
-/** Per-route Fastify setting: `config: { idempotency: false }` or `{ idempotency: { transactional: true, remember: 2592000 } }`. */
-export type FastifyRouteIdempotency = false | { transactional?: boolean; remember?: Seconds | null };
+/** Per-route Fastify setting: `config: { idempotency: false }` or `{ idempotency: { transactional: true, remember: 2592000, keepRequest: true } }`. */
+export type FastifyRouteIdempotency = false | { transactional?: boolean; remember?: Seconds | null; keepRequest?: boolean };
 
 /** Fastify plugin; `app.register(fastifyIdempotency, options)`. Needs no fastify-plugin. */
 export function fastifyIdempotency(instance: any, options: HttpOptions<any>): Promise<void>;
@@ -343,6 +366,87 @@ export const MAX_KEY_LENGTH: 255;
 
 /** Every problem the HTTP layer answers with: its status and title, by slug. */
 export const PROBLEMS: Readonly<Record<string, Readonly<{ status: number; title: string }>>>;
+
+// ---------------------------------------------------------------- completers
+
+/** What a completer of HTTP keys (kind 'http') returns for a key: the response a retry replays. */
+export interface CompletedResponse {
+	/** The HTTP status; the middlewares' policy decides: 2xx, 3xx stored, 4xx stored as failed, 5xx releases the key. */
+	status: number;
+	/** Response headers stored with it (framing headers are dropped). */
+	headers?: Record<string, string | number | string[]>;
+	/** A Buffer (bytes), a string (text), or any other JSON value (application/json). */
+	body?: unknown;
+}
+
+/** What the completer's hooks are told about a taken-over key. */
+export interface CompleterEvent extends HookEvent<JsonValue | null> {
+	token: string;
+	attempt: number;
+}
+
+export interface CompleterOptions<T = unknown> {
+	/** The pool the work goes through: the claims, heartbeats and finishes (PgBouncer in transaction mode is fine). */
+	pool: Queryable;
+	/**
+	 * Finishes one taken-over key: gets the attempt as a job's fn does (phase, phaseData and
+	 * checkpoint from the last recovery point, request the stored one); currentJob() is that
+	 * attempt too. Its value is stored as the job's (kind 'job'), or is the response to store
+	 * (kind 'http'). An error releases the key (retryable) or is stored as failed.
+	 */
+	handler: (attempt: AttemptInfo) => T | Promise<T>;
+	/** The scope whose abandoned keys this completer takes over. Default ''. */
+	scope?: string;
+	/** Handlers running at once, and so the most keys one idem_claim_abandoned takes. Default 1. */
+	concurrency?: number;
+	/** The lease of each takeover; a heartbeat extends it every lease/3 while the handler runs. Default 30. */
+	lease?: Seconds;
+	/** Seconds between polls, the fallback when a notification is missed or LISTEN is down. Default 60. */
+	pollInterval?: Seconds;
+	/** How long the result is kept. Default: what the original claim set. */
+	retention?: Seconds | null;
+	/** How long the finished key is remembered past its retention. Default: what the original claim set. */
+	remember?: Seconds | null;
+	/** true: release the key on that error; false: store it as the key's failure. Default: every error releases. */
+	retryable?: (err: unknown) => boolean;
+	/** 'job' (default): the handler's value is the job's stored value; 'http': the handler returns a CompletedResponse. */
+	kind?: 'job' | 'http';
+	/**
+	 * The LISTEN connection, which must reach the server directly (a transaction pooler such as
+	 * PgBouncer in transaction mode does not deliver notifications): a connection string, a pg
+	 * client config, a function returning a new (not connected) pg.Client or a promise of one,
+	 * or false to only poll. Default: a client with the pool's own settings.
+	 */
+	listenClient?: string | Record<string, unknown> | (() => unknown) | false;
+	/** Where failures are reported. Default console.error. */
+	log?: (message: string, err?: unknown) => void;
+	/** A key was taken over: its handler runs now, from phase. */
+	onClaim?: (event: CompleterEvent & { phase: string | null }) => void | Promise<void>;
+	/** A key was settled: stored as succeeded or failed, or released (error: the handler's). */
+	onFinish?: (event: CompleterEvent & { status: 'succeeded' | 'failed' | 'released'; error?: unknown }) => void | Promise<void>;
+	/** The store failed for a key, or the key was lost to another attempt. */
+	onError?: (event: CompleterEvent & { error: unknown }) => void | Promise<void>;
+}
+
+export interface Completer {
+	/** Check the extension (1.8 or later: MisconfiguredError otherwise), LISTEN, and take over what is abandoned now. */
+	start(): Promise<void>;
+	/** Take over what is abandoned now; resolves with the number of keys taken over. */
+	poll(): Promise<number>;
+	/** Take over nothing more, close the LISTEN connection, and resolve once every running handler has settled its key. */
+	stop(): Promise<void>;
+	/** Handlers running now. */
+	readonly running: number;
+	/** Whether the LISTEN connection is up (false: the completer only polls until it is back). */
+	readonly listening: boolean;
+}
+
+/**
+ * A completer of one scope (extension 1.8): takes over keys whose attempt was abandoned (its
+ * lease ended, or its session-bound owner's session did) with idem_claim_abandoned, woken by
+ * the sweep's NOTIFY idempotency_abandoned and a slow poll, and finishes each with the handler.
+ */
+export function completer<T = unknown>(options: CompleterOptions<T>): Completer;
 
 // ---------------------------------------------------------------- errors
 

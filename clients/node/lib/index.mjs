@@ -6,6 +6,7 @@ export const {
 	idempotent,
 	idempotentJob,
 	currentJob,
+	completer,
 	expressIdempotency,
 	fastifyIdempotency,
 	rawBody,

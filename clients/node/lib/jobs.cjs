@@ -7,6 +7,10 @@
  * other error is stored as the key's failure.  A session-bound claim holds
  * its pool connection until the attempt settles.  A key whose result has
  * expired but which the server remembers throws ExpiredError: the work ran.
+ * With keepRequest the claim stores the request with the key, so that a
+ * completer (completer.cjs) can finish the key if this process dies; the
+ * completer runs taken-over keys through runClaimed() here, so that fn sees
+ * the same attempt in both.
  */
 
 const { AsyncLocalStorage } = require('node:async_hooks');
@@ -15,8 +19,9 @@ const {
 } = require('./errors.cjs');
 const {
 	DEFAULT_LEASE, DEFAULT_RETENTION, RECOVERY_EXTENSION_VERSION, claimStatement,
-	requireVersion, poolInfo, seconds, positiveSeconds, rememberSeconds, requireRemember, toJsonText,
-	startHeartbeat, defaultLog, makeHooks, phaseDataOf, makeCheckpoint, releaseOrLost, finishOrLost,
+	requireVersion, poolInfo, seconds, positiveSeconds, rememberSeconds, requireRemember, keepRequestOption,
+	requireKeepRequest, toJsonText, startHeartbeat, defaultLog, makeHooks, phaseDataOf, makeCheckpoint,
+	releaseOrLost, finishOrLost,
 } = require('./core.cjs');
 
 /*
@@ -50,11 +55,16 @@ async function idempotent(pool, options, fn) {
 	if (options.sessionBound !== undefined && typeof options.sessionBound !== 'boolean')
 		throw new TypeError(`options.sessionBound must be a boolean, got ${String(options.sessionBound)}`);
 	const sessionBound = options.sessionBound === true;
-	const { sql: claimSql, params } = claimStatement({ key, request, scope, lease, retention, wait, sessionBound, remember });
+	const keepRequest = keepRequestOption(options.keepRequest);
+	const { sql: claimSql, params } = claimStatement({
+		key, request, scope, lease, retention, wait, sessionBound, remember, keepRequest,
+	});
 	const hooks = makeHooks(options, log);
 	const event = { key, scope, request: options.request ?? null };
 	/* the application's own error (fn threw it), which onError does not report */
 	const seen = { user: undefined };
+	/* what runClaimed needs besides the extension's info; fn gets the request as given */
+	const running = { key, scope, request: event.request, lease, retention, remember, retryable, log, seen };
 	try {
 		return await claimAndRun();
 	} catch (err) {
@@ -83,6 +93,7 @@ async function idempotent(pool, options, fn) {
 		if (sessionBound)
 			requireVersion(info, RECOVERY_EXTENSION_VERSION, ' (sessionBound)');
 		requireRemember(info, remember);
+		requireKeepRequest(info, keepRequest);
 
 		/*
 		 * A session-bound claim through a pool runs on a client held until the
@@ -118,7 +129,7 @@ async function idempotent(pool, options, fn) {
 			announce(claim);
 			if (claim.outcome === 'claimed') {
 				try {
-					return await runClaimed(pool, claim, { key, scope, lease, retention, remember, retryable, log, info, seen }, fn);
+					return await runClaimed(pool, claim, { ...running, info }, fn);
 				} finally {
 					giveBack();
 				}
@@ -140,15 +151,39 @@ async function idempotent(pool, options, fn) {
 			case 'expired':
 				throw new ExpiredError(key, { scope, status: claim.status, responseCode: claim.response_code });
 			case 'claimed':
-				return runClaimed(pool, claim, { key, scope, lease, retention, remember, retryable, log, info, seen }, fn);
+				return runClaimed(pool, claim, { ...running, info }, fn);
 			default:
 				throw new IdempotencyError(`unexpected claim outcome ${claim.outcome}`);
 		}
 	}
 }
 
-/* run fn for a claimed key, keep its lease alive, then store its result or give the key back */
-async function runClaimed(pool, claim, { key, scope, lease, retention, remember, retryable, log, info, seen }, fn) {
+/*
+ * A job's value as the finish stores it: {"v":1,"json":value}, succeeded, no
+ * response code (no value is JSON null, as the Python library stores None).
+ */
+function jobResult(value) {
+	return {
+		envelope: `{"v":1,"json":${value === undefined ? 'null' : toJsonText(value, 'the return value')}}`,
+		status: 'succeeded',
+		code: null,
+	};
+}
+
+/*
+ * Run fn for a claimed key, keep its lease alive, then store its result or
+ * give the key back.  claim: the claimed row (token, attempt, phase,
+ * phase_data); request: the job's payload, handed to fn.  result(value)
+ * turns fn's value into what the finish stores ({ envelope, status, code }),
+ * or null to release the key instead; settled(how, err) hears 'succeeded',
+ * 'failed' or 'released' once the key is settled, with fn's error if it
+ * threw.  retention and remember
+ * null: not sent (the claim's apply).
+ */
+async function runClaimed(pool, claim, {
+	key, scope, request = null, lease, retention, remember, retryable, log, info, seen,
+	result = jobResult, settled = () => {},
+}, fn) {
 	const token = claim.token;
 	const attempt = claim.attempt;
 	const controller = new AbortController();
@@ -163,13 +198,13 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, remember,
 	});
 	const checkpoint = makeCheckpoint(pool, { key, token, scope, onLost, info });
 	/* the finish's parameters: remember only when set */
-	const finishParams = (envelope, status) =>
-		[key, token, null, envelope, scope, status, retention, ...(remember === null ? [] : [remember])];
+	const finishParams = (envelope, status, code = null) =>
+		[key, token, code, envelope, scope, status, retention, ...(remember === null ? [] : [remember])];
 
 	let value;
 	try {
 		value = await fn({
-			key, scope, token, attempt, signal: controller.signal,
+			key, scope, token, attempt, request, signal: controller.signal,
 			phase: claim.phase ?? null, phaseData: phaseDataOf(claim), checkpoint,
 		});
 	} catch (err) {
@@ -180,6 +215,7 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, remember,
 			seen.user = err;
 		if (retryable(err)) {
 			await releaseOrLost(pool, key, token, scope, err);
+			settled('released', err);
 			throw err;
 		}
 		const envelope = JSON.stringify({
@@ -187,23 +223,30 @@ async function runClaimed(pool, claim, { key, scope, lease, retention, remember,
 			error: { name: String(err?.name ?? 'Error'), message: String(err?.message ?? err) },
 		});
 		await finishOrLost(pool, finishParams(envelope, 'failed'), err);
+		settled('failed', err);
 		throw err;
 	}
 	await heartbeat.stop();
 	if (lost)
 		throw new KeyLostError(key);
 
-	let envelope;
+	let stored;
 	try {
-		/* no value is JSON null, as the Python library stores None */
-		envelope = `{"v":1,"json":${value === undefined ? 'null' : toJsonText(value, 'the return value')}}`;
+		stored = result(value);
 	} catch (err) {
 		if (seen)
 			seen.user = err;
 		await releaseOrLost(pool, key, token, scope, err);
+		settled('released', err);
 		throw err;
 	}
-	await finishOrLost(pool, finishParams(envelope, 'succeeded'));
+	if (stored === null) {
+		await releaseOrLost(pool, key, token, scope);
+		settled('released');
+	} else {
+		await finishOrLost(pool, finishParams(stored.envelope, stored.status, stored.code));
+		settled(stored.status);
+	}
 	return { replayed: false, value, attempt, token };
 }
 
@@ -249,6 +292,11 @@ function currentJob() {
 	return jobs.getStore();
 }
 
+/* run fn with `attempt` as currentJob() (a completer's handler, as an idempotentJob's fn) */
+function asCurrentJob(attempt, fn) {
+	return jobs.run(attempt, fn);
+}
+
 /* a job's stored value: json, the bytes of base64, or undefined for none (an older {"v":1}) */
 function storedValue(claim) {
 	if (claim.json !== null)
@@ -258,4 +306,4 @@ function storedValue(claim) {
 	return undefined;
 }
 
-module.exports = { idempotent, idempotentJob, currentJob };
+module.exports = { idempotent, idempotentJob, currentJob, runClaimed, asCurrentJob };
