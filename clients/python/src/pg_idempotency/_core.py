@@ -35,16 +35,17 @@ __all__ = [
 ]
 
 #: This package's version, named in the errors that ask for a newer extension.
-PACKAGE_VERSION = "0.5.0"
+PACKAGE_VERSION = "0.6.0"
 
 #: The oldest extension version this package runs on: its claim, finish,
 #: extend, release and lookup calls name only the arguments of 1.0 (the
 #: claim reads phase and phase_data through to_jsonb, NULL before 1.4).
 #: ``checkpoint()`` and ``session_bound=True`` need 1.4 and say so, the
-#: ``remember`` option 1.7.
+#: ``remember`` option 1.7, ``keep_request`` and completers 1.8.
 MIN_EXTENSION = (1, 0)
 CHECKPOINT_EXTENSION = (1, 4)
 REMEMBER_EXTENSION = (1, 7)
+COMPLETER_EXTENSION = (1, 8)
 
 #: A duration: seconds (int or float) or a ``datetime.timedelta``.
 Duration = Union[int, float, _dt.timedelta]
@@ -62,8 +63,8 @@ LOST_SQLSTATES = frozenset({"55006", "55000", "P0002"})
 # (both read as NULL there); only a takeover can carry them, so no other
 # outcome pays for the conversion.
 #
-# session_bound is named only when it is true, for the same reason, and
-# remember only when the caller set it (REMEMBER_ARG).
+# session_bound and keep_request are named only when they are true, for the
+# same reason, and remember only when the caller set it (REMEMBER_ARG).
 _CLAIM_SQL = """
 SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body,
        c.retry_after,
@@ -76,13 +77,14 @@ SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body
                               scope     => %(scope)s,
                               lease     => %(lease)s::interval,
                               retention => %(retention)s::interval,
-                              wait      => %(wait)s::interval{bound}{remember}) AS c"""
+                              wait      => %(wait)s::interval{bound}{remember}{keep}) AS c"""
 
 # The remember argument of idem_claim and idem_finish: named only when the
 # caller set the option, so that a client without it keeps working on
 # extension versions before 1.7, which lack the argument.
 REMEMBER_ARG = ",\n                              remember  => %(remember)s::interval"
 _SESSION_BOUND_ARG = ",\n                              session_bound => true"
+_KEEP_REQUEST_ARG = ",\n                              keep_request => true"
 
 
 def _remembering(sql: str) -> Dict[bool, str]:
@@ -90,10 +92,16 @@ def _remembering(sql: str) -> Dict[bool, str]:
     return {False: sql.replace("{remember}", ""), True: sql.replace("{remember}", REMEMBER_ARG)}
 
 
-def claim_sql(session_bound: bool, remember: bool) -> str:
-    """The job's claim, naming session_bound and remember only when used."""
-    return _remembering(_CLAIM_SQL.replace(
-        "{bound}", _SESSION_BOUND_ARG if session_bound else ""))[remember]
+def _keeping(sql: str, keep_request: bool) -> str:
+    """A claim's text naming keep_request (at ``{keep}``) only when it is true."""
+    return sql.replace("{keep}", _KEEP_REQUEST_ARG if keep_request else "")
+
+
+def claim_sql(session_bound: bool, remember: bool, keep_request: bool = False) -> str:
+    """The job's claim, naming session_bound, remember and keep_request only
+    when used."""
+    return _remembering(_keeping(_CLAIM_SQL.replace(
+        "{bound}", _SESSION_BOUND_ARG if session_bound else ""), keep_request))[remember]
 
 
 CHECKPOINT_SQL = """
@@ -143,10 +151,12 @@ SELECT c.outcome, c.token, c.attempt, c.status, c.response_code, c.response_body
                               scope     => %(scope)s,
                               lease     => %(lease)s::interval,
                               retention => %(retention)s::interval,
-                              wait      => %(wait)s::interval{remember}) AS c"""
+                              wait      => %(wait)s::interval{remember}{keep}) AS c"""
 
-#: The middleware's claim, by whether it names remember.
-HTTP_CLAIM_SQL = _remembering(_HTTP_CLAIM_SQL)
+
+def http_claim_sql(remember: bool, keep_request: bool) -> str:
+    """The middleware's claim, naming remember and keep_request only when used."""
+    return _remembering(_keeping(_HTTP_CLAIM_SQL, keep_request))[remember]
 
 # The envelope goes as text that PostgreSQL parses: a JSON body is stored as
 # the handler wrote it, and the first answer is PostgreSQL's text of it, the
@@ -201,6 +211,21 @@ def require_remember(info: "ServerInfo", remember: Optional[_dt.timedelta]) -> N
     """``remember`` needs extension 1.7; without it nothing does."""
     if remember is not None:
         require_version(info, REMEMBER_EXTENSION, " (remember)")
+
+
+def keep_request_option(value: Any) -> bool:
+    """The ``keep_request`` option: a bool (None: False)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TypeError(f"keep_request must be a bool, not {type(value).__name__}")
+    return value
+
+
+def require_keep_request(info: "ServerInfo", keep_request: bool) -> None:
+    """``keep_request`` needs extension 1.8; without it nothing does."""
+    if keep_request:
+        require_version(info, COMPLETER_EXTENSION, " (keep_request)")
 
 
 def is_lost(err: BaseException) -> bool:

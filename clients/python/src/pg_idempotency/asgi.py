@@ -14,7 +14,9 @@ with ``Idempotent-Replayed: true``; ``in_progress``: 409 with a capped
 but the server remembers it): 410; ``claimed``: run the app with a heartbeat
 (up to ``handler_timeout``), buffer its response, store it (or release the
 key) per the status policy, and only then send it with its own
-Content-Length, so the first client sees what every retry will see.
+Content-Length, so the first client sees what every retry will see. With
+``keep_request`` the claim stores the request (method, path, body) with the
+key, for a completer to finish it from if this process dies.
 
 There is no transactional mode: the stored response is written after the app
 returns, in its own statement. Writes that must commit with the stored result
@@ -24,6 +26,7 @@ belong in a job on a connection inside a transaction (``jobs.idempotent``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextvars
 import hashlib
 import inspect
@@ -40,13 +43,13 @@ import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
-from ._core import (EXTEND_SQL, HTTP_CLAIM_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX_KEY_LENGTH,
+from ._core import (EXTEND_SQL, HTTP_FINISH_SQL, LOOKUP_SQL, MAX_KEY_LENGTH,
                     RELEASE_SQL, SERVER_INFO_SQL, UNAVAILABLE_SQLSTATES, ClaimRow, Duration,
                     KeyLostError, MisconfiguredError, ServerInfo, acall_with_retry, afetch_one, envelope_body,
-                    http_envelope, is_envelope, is_json_media_type, is_lost, json_body_text,
-                    known_server_info, misconfiguration, released_before, remember_option,
-                    remember_server_info, require_remember, server_info, to_seconds,
-                    to_timedelta, too_large_envelope)
+                    http_claim_sql, http_envelope, is_envelope, is_json_media_type, is_lost,
+                    json_body_text, keep_request_option, known_server_info, misconfiguration,
+                    released_before, remember_option, remember_server_info, require_keep_request,
+                    require_remember, server_info, to_seconds, to_timedelta, too_large_envelope)
 from .cache import CachedResult, ResultCache
 from .header import parse_idempotency_key
 from .hooks import Hook, Hooks
@@ -171,6 +174,20 @@ def default_fingerprint(req: IdempotencyRequest) -> Dict[str, str]:
             "body_sha256": hashlib.sha256(req.body).hexdigest()}
 
 
+def kept_request(req: IdempotencyRequest) -> str:
+    """The request a claim with ``keep_request`` stores, which is also what
+    its fingerprint hashes: the body itself, as its JSON text (compared as
+    jsonb, as with ``canonical_json``) or as base64, so that a completer can
+    run the request again from it. The Node library keeps the same."""
+    head = '{"method":' + json.dumps(req.method) + ',"path":' + json.dumps(req.path)
+    ctype = req.header("content-type")
+    text = (json_body_text(req.body)
+            if ctype is not None and is_json_media_type(ctype) else None)
+    if text is not None:
+        return head + ',"body":' + text + "}"
+    return head + ',"body_base64":"' + base64.b64encode(req.body).decode("ascii") + '"}'
+
+
 async def _maybe_await(value: Any) -> Any:
     if inspect.isawaitable(value):
         return await value
@@ -239,6 +256,14 @@ class IdempotencyMiddleware:
     ``idempotency-key-expired`` instead of running the app again; 0: off
     whatever the server's setting; needs extension 1.7 (500
     ``idempotency-misconfigured`` naming it otherwise).
+    ``keep_request`` (default False): store the request with the key while
+    it is pending, so that a completer (``kind="http"``) can finish it if
+    this process dies. The stored request is what the fingerprint hashes:
+    ``{method, path, body}`` with a JSON body compared as jsonb (as with
+    ``canonical_json``), ``{method, path, body_base64}`` for any other body,
+    or what ``fingerprint`` returns. A request over the server's
+    ``idempotency.max_response_size`` gets 413; needs extension 1.8 (500
+    ``idempotency-misconfigured`` naming it otherwise).
     ``store_headers``: response headers stored and replayed on top of
     ``DEFAULT_STORE_HEADERS``. ``store_policy(status)``: 'succeeded', 'failed'
     or 'release' (default ``default_store_policy``); ``store_server_errors``
@@ -269,6 +294,7 @@ class IdempotencyMiddleware:
                  canonical_json: bool = False,
                  lease: Duration = 30, retention: Duration = 86400,
                  remember: Optional[Duration] = None,
+                 keep_request: bool = False,
                  store_headers: Collection[str] = (),
                  store_policy: Optional[StorePolicy] = None,
                  store_server_errors: bool = False,
@@ -296,6 +322,7 @@ class IdempotencyMiddleware:
         # rounded half up, as JavaScript's Math.round, so both libraries announce the same
         self.retention_header = str(math.floor(to_seconds(retention) + 0.5))
         self.remember = remember_option(remember)
+        self.keep_request = keep_request_option(keep_request)
         self.store_headers = (DEFAULT_STORE_HEADERS
                               | frozenset(h.lower() for h in store_headers)) - FRAMING_HEADERS
         self.store_policy = store_policy
@@ -378,9 +405,12 @@ class IdempotencyMiddleware:
                 return
 
         try:
-            require_remember(await self._server_info(), self.remember)
+            info = await self._server_info()
+            require_remember(info, self.remember)
+            require_keep_request(info, self.keep_request)
             async with self.pool.connection() as conn:
-                claim = await afetch_one(conn, HTTP_CLAIM_SQL[self.remember is not None], {
+                claim = await afetch_one(conn, http_claim_sql(self.remember is not None,
+                                                              self.keep_request), {
                     "key": key, "request": fp_text, "scope": idem_scope,
                     "lease": self.lease, "retention": self.retention,
                     "wait": self.wait, "remember": self.remember})
@@ -389,6 +419,14 @@ class IdempotencyMiddleware:
             await self._misconfigured(send, str(e))
             return
         except psycopg.Error as e:
+            if self.keep_request and e.sqlstate == "54000":
+                # a request the server will not keep with its key: the
+                # client's to shorten, the key unused
+                await self._problem(send, "idempotency-request-too-large",
+                                    "The request is larger than the server keeps with an "
+                                    "Idempotency-Key (idempotency.max_response_size); the "
+                                    "Idempotency-Key was not used.")
+                return
             self.hooks.emit("error", key, idem_scope, request=req, error=e)
             detail = misconfiguration(e, self._database())
             if detail is None and isinstance(e, psycopg_pool.PoolTimeout) \
@@ -478,6 +516,8 @@ class IdempotencyMiddleware:
         if self.fingerprint is not None:
             value = await _maybe_await(self.fingerprint(req))
             return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.keep_request:
+            return kept_request(req)
         if self.canonical_json:
             ctype = req.header("content-type")
             text = (json_body_text(req.body)

@@ -1,6 +1,7 @@
 """The application's hooks: ``on_claim``, ``on_replay``, ``on_conflict``,
 ``on_mismatch``, ``on_expired`` and ``on_error``, called with a ``HookEvent`` for each answer
-the middleware or a job gives (metrics, logs, traces).
+the middleware or a job gives (metrics, logs, traces); a completer has
+``on_claim``, ``on_finish`` and ``on_error``.
 
 A hook observes and never decides: one that raises is logged and the answer
 stays what it was. A hook may be a coroutine function where an event loop runs
@@ -18,7 +19,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ["HookEvent", "Hook", "Hooks"]
 
-NAMES = ("claim", "replay", "conflict", "mismatch", "expired", "error")
+NAMES = ("claim", "replay", "conflict", "mismatch", "expired", "error", "finish")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,10 @@ class HookEvent:
     attempt; ``status`` on a replay (the HTTP status, or "succeeded"/"failed"
     for a job); on an expired key ``status`` ("succeeded"/"failed") and
     ``response_code`` (the stored HTTP status, None for a job's key);
-    ``retry_after`` on a conflict; ``error`` on an error."""
+    ``retry_after`` on a conflict; ``error`` on an error. A completer's
+    events: ``phase`` (the recovery point it resumes from) on a claim, and on
+    a finish ``status`` ("succeeded", "failed" or "released") and ``error``
+    (the handler's, when it raised)."""
     kind: str
     key: str
     scope: str
@@ -40,6 +44,7 @@ class HookEvent:
     retry_after: Optional[int] = None
     error: Optional[BaseException] = None
     response_code: Optional[int] = None
+    phase: Optional[str] = None
 
 
 Hook = Callable[[HookEvent], Any]

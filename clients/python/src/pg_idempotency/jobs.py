@@ -37,6 +37,11 @@ transaction in the second.
 that the key is free at once when that session ends (the process died)
 instead of after the lease.  Through a pool, that session is a pool
 connection held for the whole attempt.
+
+``keep_request=True`` stores the request with the key while it is pending,
+so that a completer (``completer.py``) can finish the job if this process
+dies; the completer runs the taken-over key through the same attempt
+classes (``_adopt``), so that a block's code sees the same job in both.
 """
 
 from __future__ import annotations
@@ -58,12 +63,14 @@ from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from ._core import (CHECKPOINT_EXTENSION, CHECKPOINT_SQL, EXTEND_SQL, FINISH_SQL,
-                    MIN_EXTENSION, RELEASE_SQL, REMEMBER_EXTENSION, SERVER_INFO_SQL, ClaimRow,
+from ._core import (CHECKPOINT_EXTENSION, CHECKPOINT_SQL, COMPLETER_EXTENSION, EXTEND_SQL,
+                    FINISH_SQL, MIN_EXTENSION, RELEASE_SQL, REMEMBER_EXTENSION, SERVER_INFO_SQL,
+                    ClaimRow,
                     Duration, ExpiredError, InProgressError, KeyLostError, MismatchError,
                     ServerInfo, StoredFailureError, acall_with_retry, afetch_one,
                     call_with_retry, claim_sql, envelope_error, envelope_value, error_envelope,
-                    is_lost, known_server_info, released_before, remember_option,
+                    is_lost, keep_request_option, known_server_info, released_before,
+                    remember_option,
                     remember_server_info, require_version, server_info, to_seconds,
                     to_timedelta, value_envelope)
 
@@ -104,7 +111,7 @@ def _retryable_predicate(retryable: Optional[Retryable]) -> Callable[[BaseExcept
 def _claim_statement(owner: "Union[Idempotent, AsyncIdempotent]") -> Tuple[str, dict[str, Any]]:
     """The claim an ``idempotent()`` block makes: its SQL and parameters."""
     request = owner._request
-    return (claim_sql(owner._session_bound, owner._remember is not None),
+    return (claim_sql(owner._session_bound, owner._remember is not None, owner._keep_request),
             {"key": owner.key, "request": None if request is None else Jsonb(request),
              "scope": owner.scope, "lease": to_timedelta(owner._lease),
              "retention": to_timedelta(owner._retention), "wait": to_timedelta(owner._wait),
@@ -112,11 +119,12 @@ def _claim_statement(owner: "Union[Idempotent, AsyncIdempotent]") -> Tuple[str, 
 
 
 def _finish_statement(owner: "Union[Idempotent, AsyncIdempotent]", token: Optional[int],
-                      envelope: Any, status: str) -> Tuple[str, dict[str, Any]]:
-    """The finish that stores ``envelope`` as the key's result: its SQL and
-    parameters."""
+                      envelope: Any, status: str,
+                      code: Optional[int] = None) -> Tuple[str, dict[str, Any]]:
+    """The finish that stores ``envelope`` as the key's result (with the
+    HTTP status ``code``, None for a job): its SQL and parameters."""
     return (FINISH_SQL[owner._remember is not None],
-            {"key": owner.key, "token": token, "code": None, "body": Jsonb(envelope),
+            {"key": owner.key, "token": token, "code": code, "body": Jsonb(envelope),
              "scope": owner.scope, "status": status,
              "retention": to_timedelta(owner._retention), "remember": owner._remember})
 
@@ -152,12 +160,17 @@ class _JobBase:
     phase: Optional[str]
     #: What that checkpoint recorded to resume from (any JSON value), or None.
     phase_data: Any
+    #: The job's payload: the ``request`` given to ``idempotent()`` (None
+    #: without one), or the request a completer found stored with the key.
+    request: Any
 
     def __init__(self, *, key: str, scope: str, replayed: bool, value: Any,
                  attempt: Optional[int], token: Optional[int],
-                 phase: Optional[str] = None, phase_data: Any = None) -> None:
+                 phase: Optional[str] = None, phase_data: Any = None,
+                 request: Any = None) -> None:
         self.key = key
         self.scope = scope
+        self.request = request
         self.replayed = replayed
         self.value = value
         self.attempt = attempt
@@ -306,6 +319,8 @@ def _still_open(conn: Union["psycopg.Connection[Any]", "psycopg.AsyncConnection[
 
 def _needs(owner: "Union[Idempotent, AsyncIdempotent]") -> Tuple[Tuple[int, ...], str]:
     """The extension version a claim needs, and what needs it."""
+    if owner._keep_request:
+        return COMPLETER_EXTENSION, " (keep_request)"
     if owner._remember is not None:
         return REMEMBER_EXTENSION, " (remember)"
     if owner._session_bound:
@@ -495,7 +510,7 @@ class Idempotent:
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                  wait: Duration = 0, retryable: Optional[Retryable] = None,
                  session_bound: bool = False, remember: Optional[Duration] = None,
-                 hooks: Optional[Hooks] = None) -> None:
+                 keep_request: bool = False, hooks: Optional[Hooks] = None) -> None:
         self._runner = _SyncRunner(db)
         self.key = key
         self.scope = scope
@@ -506,6 +521,7 @@ class Idempotent:
         self._retryable = _retryable_predicate(retryable)
         self._session_bound = bool(session_bound)
         self._remember = remember_option(remember)
+        self._keep_request = keep_request_option(keep_request)
         self._hooks = hooks if hooks is not None else Hooks(log)
         self._job: Optional[Job] = None
         self._heartbeat: Optional[_SyncHeartbeat] = None
@@ -531,11 +547,16 @@ class Idempotent:
             self._runner.release_held()
         _announce(self._hooks, row, self.key, self.scope, self._request)
         _claim_outcome(row, self.key, self.scope)
+        return self._adopt(row, tx_mode)
+
+    def _adopt(self, row: ClaimRow, tx_mode: bool = False) -> Job:
+        """Make ``row`` (a claim's outcome, or a key a completer took over)
+        this block's job: on ``claimed``, the savepoint or the heartbeat."""
         replayed = row.outcome == "replay"
         job = Job(self, key=self.key, scope=self.scope, replayed=replayed,
                   value=envelope_value(row.response_body) if replayed else None,
                   attempt=row.attempt, token=row.token, phase=row.phase,
-                  phase_data=row.phase_data)
+                  phase_data=row.phase_data, request=self._request)
         self._job = job
         if not replayed:
             if tx_mode:
@@ -783,7 +804,7 @@ class AsyncIdempotent:
                  lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                  wait: Duration = 0, retryable: Optional[Retryable] = None,
                  session_bound: bool = False, remember: Optional[Duration] = None,
-                 hooks: Optional[Hooks] = None) -> None:
+                 keep_request: bool = False, hooks: Optional[Hooks] = None) -> None:
         self._runner = _AsyncRunner(db)
         self.key = key
         self.scope = scope
@@ -794,6 +815,7 @@ class AsyncIdempotent:
         self._retryable = _retryable_predicate(retryable)
         self._session_bound = bool(session_bound)
         self._remember = remember_option(remember)
+        self._keep_request = keep_request_option(keep_request)
         self._hooks = hooks if hooks is not None else Hooks(log)
         self._job: Optional[AsyncJob] = None
         self._heartbeat: Optional[_AsyncHeartbeat] = None
@@ -817,11 +839,17 @@ class AsyncIdempotent:
             await self._runner.release_held()
         _announce(self._hooks, row, self.key, self.scope, self._request)
         _claim_outcome(row, self.key, self.scope)
+        return await self._adopt(row, tx_mode)
+
+    async def _adopt(self, row: ClaimRow, tx_mode: bool = False) -> AsyncJob:
+        """See ``Idempotent._adopt``; called inside the event loop."""
+        if self._beat_lock is None:
+            self._beat_lock = asyncio.Lock()
         replayed = row.outcome == "replay"
         job = AsyncJob(self, key=self.key, scope=self.scope, replayed=replayed,
                        value=envelope_value(row.response_body) if replayed else None,
                        attempt=row.attempt, token=row.token, phase=row.phase,
-                       phase_data=row.phase_data)
+                       phase_data=row.phase_data, request=self._request)
         self._job = job
         if not replayed:
             if tx_mode:
@@ -937,6 +965,7 @@ def idempotent(db: SyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
                wait: Duration = ..., retryable: Optional[Retryable] = ...,
                session_bound: bool = ..., remember: Optional[Duration] = ...,
+               keep_request: bool = ...,
                on_claim: Optional[Hook] = ..., on_replay: Optional[Hook] = ...,
                on_conflict: Optional[Hook] = ..., on_mismatch: Optional[Hook] = ...,
                on_expired: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> Idempotent: ...
@@ -947,6 +976,7 @@ def idempotent(db: AsyncDB, key: str, *, request: Any = ..., scope: str = ...,
                lease: Duration = ..., retention: Optional[Duration] = ...,
                wait: Duration = ..., retryable: Optional[Retryable] = ...,
                session_bound: bool = ..., remember: Optional[Duration] = ...,
+               keep_request: bool = ...,
                on_claim: Optional[Hook] = ..., on_replay: Optional[Hook] = ...,
                on_conflict: Optional[Hook] = ..., on_mismatch: Optional[Hook] = ...,
                on_expired: Optional[Hook] = ..., on_error: Optional[Hook] = ...) -> AsyncIdempotent: ...
@@ -956,6 +986,7 @@ def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, sco
                lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                wait: Duration = 0, retryable: Optional[Retryable] = None,
                session_bound: bool = False, remember: Optional[Duration] = None,
+               keep_request: bool = False,
                on_claim: Optional[Hook] = None, on_replay: Optional[Hook] = None,
                on_conflict: Optional[Hook] = None, on_mismatch: Optional[Hook] = None,
                on_expired: Optional[Hook] = None,
@@ -978,7 +1009,12 @@ def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, sco
     so that a block entered in that time raises ``ExpiredError`` instead of
     running again; None: the server's ``idempotency.remember`` (default off);
     0: off whatever the server's setting; needs extension 1.7
-    (``MisconfiguredError`` before the claim otherwise). ``on_claim``,
+    (``MisconfiguredError`` before the claim otherwise). ``keep_request``:
+    store the request with the key while it is pending, so that a completer
+    can finish the job from its last checkpoint if this process dies (over
+    the server's ``idempotency.max_response_size`` the claim raises SQLSTATE
+    54000); needs extension 1.8 (``MisconfiguredError`` before the claim
+    otherwise). ``on_claim``,
     ``on_replay``, ``on_conflict``, ``on_mismatch``, ``on_expired``,
     ``on_error``: hooks called with a ``HookEvent`` for each outcome
     (``on_error``: the store's failures and a lost key, not the block's own
@@ -988,7 +1024,7 @@ def idempotent(db: Union[SyncDB, AsyncDB], key: str, *, request: Any = None, sco
                   on_mismatch=on_mismatch, on_expired=on_expired, on_error=on_error)
     kw: dict[str, Any] = dict(request=request, scope=scope, lease=lease, retention=retention,
                               wait=wait, retryable=retryable, session_bound=session_bound,
-                              remember=remember, hooks=hooks)
+                              remember=remember, keep_request=keep_request, hooks=hooks)
     if isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
         return AsyncIdempotent(db, key, **kw)
     if isinstance(db, (psycopg.Connection, ConnectionPool)):
@@ -1005,6 +1041,7 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                    lease: Duration = DEFAULT_LEASE, retention: Optional[Duration] = None,
                    wait: Duration = 0, retryable: Optional[Retryable] = None,
                    session_bound: bool = False, remember: Optional[Duration] = None,
+                   keep_request: bool = False,
                    on_claim: Optional[Hook] = None, on_replay: Optional[Hook] = None,
                    on_conflict: Optional[Hook] = None, on_mismatch: Optional[Hook] = None,
                    on_expired: Optional[Hook] = None,
@@ -1019,10 +1056,14 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
     ``scope`` defaults to the function's qualified name
     (``f"{fn.__module__}.{fn.__qualname__}"``), so that two jobs fed the same
     ids never share a key; ``scope=""`` is the one scope of versions before 0.3.
-    ``remember`` and the hooks are ``idempotent()``'s."""
+    ``remember``, ``keep_request`` and the hooks are ``idempotent()``'s. A
+    completer runs the undecorated function (``fn.__wrapped__``) with the
+    stored request, so a job whose request is its one argument is finished
+    by ``handler=lambda job: fn.__wrapped__(job.request)``."""
     hooks = Hooks(log, on_claim=on_claim, on_replay=on_replay, on_conflict=on_conflict,
                   on_mismatch=on_mismatch, on_expired=on_expired, on_error=on_error)
     remember_option(remember)      # a bad value fails at decoration, not at the first call
+    keep_request_option(keep_request)
 
     def decorate(fn: F) -> F:
         default_scope = f"{fn.__module__}.{fn.__qualname__}"
@@ -1032,7 +1073,8 @@ def idempotent_job(db: Union[SyncDB, AsyncDB], *, key: Callable[..., str],
                         scope=(default_scope if scope is None
                                else scope(*args, **kwargs) if callable(scope) else scope),
                         lease=lease, retention=retention, wait=wait, retryable=retryable,
-                        session_bound=session_bound, remember=remember, hooks=hooks)
+                        session_bound=session_bound, remember=remember,
+                        keep_request=keep_request, hooks=hooks)
 
         if inspect.iscoroutinefunction(fn):
             if not isinstance(db, (psycopg.AsyncConnection, AsyncConnectionPool)):
