@@ -27,7 +27,9 @@
 #     tenant is still confined to its prefix; a key claimed and finished
 #     with remember answers expired once its retention has passed, a
 #     different request mismatch, the sweep keeps its outcome and drops its
-#     response, and idem_forget lets it run again; unbind_scope answers true,
+#     response, and idem_forget lets it run again; a key claimed with
+#     keep_request whose lease ended is taken over by idem_claim_abandoned,
+#     which returns its request; unbind_scope answers true,
 #     then false; distribute() without Citus raises 55000 and changes
 #     nothing; cluster_stats answers one row, node 'local';
 #   - a dump taken before the update restores into the newest version with
@@ -74,9 +76,9 @@ skip_sql_edition(
 
 # Every released version: whether it has recovery points and batches (1.4
 # on), and whether the update from it creates idem_claim anew (a function's
-# arguments or result cannot change in place: 1.0 to 1.1, 1.3 to 1.4 and
-# 1.6 to 1.7 drop it), so that a user's object on idem_claim stops the
-# update.
+# arguments or result cannot change in place: 1.0 to 1.1, 1.3 to 1.4,
+# 1.6 to 1.7 and 1.7 to 1.8 drop it), so that a user's object on idem_claim
+# stops the update.
 my @released = (
 	{ version => '1.0', since_1_4 => 0, claim_recreated => 1 },
 	{ version => '1.1', since_1_4 => 0, claim_recreated => 1 },
@@ -84,7 +86,8 @@ my @released = (
 	{ version => '1.3', since_1_4 => 0, claim_recreated => 1 },
 	{ version => '1.4', since_1_4 => 1, claim_recreated => 1 },
 	{ version => '1.5', since_1_4 => 1, claim_recreated => 1 },
-	{ version => '1.6', since_1_4 => 1, claim_recreated => 1 },);
+	{ version => '1.6', since_1_4 => 1, claim_recreated => 1 },
+	{ version => '1.7', since_1_4 => 1, claim_recreated => 1 },);
 
 # No sweeps: no key's sweep_at moves while the test compares rows.
 my $node = new_node('upgrade', port => 55477,
@@ -457,6 +460,20 @@ foreach my $rel (@released)
 	is(sql($db, "SELECT idempotency.idem_forget('rem')"), 't', "$db: idem_forget removes it");
 	is(sql($db, "SELECT outcome FROM idempotency.idem_claim('rem', request => '{\"k\": 2}')"),
 		'claimed', "$db: and it runs again");
+
+	# --- an abandoned key and its completer, on the updated database --------
+	$c = claim($node, $db,
+		q{'job', request => '{"k": "job"}', lease => '1 hour', keep_request => true});
+	is($c->{outcome}, 'claimed', "$db: a claim keeps its request");
+	# its lease ended, without waiting for the clock
+	sql($db, "UPDATE idempotency.keys SET lease_until = now() - interval '1 second', "
+		  . "sweep_at = now() - interval '1 second' WHERE key = 'job'");
+	is( sql($db, "SELECT concat_ws(',', key, attempt, token > $c->{token}, request) "
+			  . "FROM idempotency.idem_claim_abandoned()"),
+		'job,2,t,{"k": "job"}',
+		"$db: idem_claim_abandoned takes it over with its request and a larger token");
+	is(sqlstate_of($node, $db, "SELECT idempotency.idem_extend('job', $c->{token})"),
+		'55006', "$db: the abandoned attempt's token is dead");
 
 	# --- the dump taken before the update ------------------------------------
 	sql('postgres', "CREATE DATABASE ${db}_copy");
