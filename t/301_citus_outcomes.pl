@@ -77,7 +77,7 @@ is( coord(
 		  . "(SELECT p.oid FROM pg_proc p WHERE p.pronamespace = 'idempotency'::regnamespace "
 		  . "AND 'scope' = ANY (p.proargnames)) AND distribution_argument_index IS NOT NULL "
 		  . 'AND force_delegation'),
-	'9', 'the nine functions with a scope are delegated by it, also in transaction blocks');
+	'10', 'the ten functions with a scope are delegated by it, also in transaction blocks');
 coord('SELECT idempotency.distribute()');
 is(coord('SELECT count(*) FROM pg_dist_partition'),
 	'2', 'distribute() a second time changes nothing');

@@ -1,26 +1,30 @@
 
 # Copyright: the idempotency extension authors.
 #
-# 303_citus_update.pl: ALTER EXTENSION idempotency UPDATE from 1.6 to the
-# newest version on a Citus cluster whose keys are distributed, done as
+# 303_citus_update.pl: ALTER EXTENSION idempotency UPDATE from 1.6 (through
+# 1.7) to the newest version on a Citus cluster whose keys are distributed, done as
 # docs/scale-out.md says (on the coordinator first, then any node left
 # behind, then distribute() once more on the coordinator).
 #
 # What it proves:
 #   - every node ends at the newest version, and every shard of the keys
-#     table gains the new column, so the library on each worker reads and
-#     writes it;
+#     table gains the new columns and the index of reset keys, so the
+#     library on each worker reads and writes them;
 #   - the update itself goes through on the coordinator (it distributes
 #     nothing while the workers lack the new functions), and distribute()
 #     then makes the functions it created anew (idem_claim, idem_finish,
-#     idem_finish_many, idem_lookup) and the new idem_forget distributed
-#     functions delegated by scope, as it made the old ones;
+#     idem_finish_many, idem_lookup) and the new idem_forget and
+#     idem_claim_abandoned distributed functions delegated by scope, as it
+#     made the old ones;
 #   - keys stored before the update answer as before (a finished key
 #     replays, a pending key is finished with the token it got before);
 #   - through the coordinator, a key claimed with remember and aged past
 #     its retention answers expired, a different request mismatch, the
 #     sweep compacts it in its shard, and idem_forget (delegated) lets it
-#     run again.
+#     run again;
+#   - through the coordinator, a key claimed with keep_request whose lease
+#     ended is reset by the sweep in its shard and taken over by
+#     idem_claim_abandoned (delegated), which returns its request.
 #
 # It skips itself when Citus is not installed for the PostgreSQL under test.
 # The nodes listen on 127.0.0.1, ports 31619 to 31621.
@@ -95,18 +99,26 @@ is( coord(
 		    "SELECT bool_and(r.success AND r.result = '0') FROM run_command_on_all_nodes("
 		  . "\$\$SELECT count(*) FROM pg_class c WHERE c.relname ~ '^keys(_[0-9]+)?\$' "
 		  . "AND c.relnamespace = 'idempotency'::regnamespace AND c.relkind = 'r' "
-		  . "AND NOT EXISTS (SELECT FROM pg_attribute a WHERE a.attrelid = c.oid "
-		  . "AND a.attname = 'remember' AND NOT a.attisdropped)\$\$) r"),
-	't', 'every copy and shard of the keys table on every node has the remember column');
+		  . "AND (SELECT count(*) FROM pg_attribute a WHERE a.attrelid = c.oid "
+		  . "AND a.attname IN ('remember', 'request') AND NOT a.attisdropped) <> 2\$\$) r"),
+	't', 'every copy and shard of the keys table on every node has the new columns');
+is( coord(
+		    "SELECT bool_and(r.success AND r.result = '0') FROM run_command_on_all_nodes("
+		  . "\$\$SELECT count(*) FROM pg_class c WHERE c.relname ~ '^keys(_[0-9]+)?\$' "
+		  . "AND c.relnamespace = 'idempotency'::regnamespace AND c.relkind = 'r' "
+		  . "AND NOT EXISTS (SELECT FROM pg_index i JOIN pg_class x ON x.oid = i.indexrelid "
+		  . "WHERE i.indrelid = c.oid AND x.relname ~ '^keys_abandoned_idx(_[0-9]+)?\$')\$\$) r"),
+	't', 'every copy and shard of the keys table on every node has the index of reset keys');
 is( coord(
 		    "SELECT string_agg(p.proname || ':' || (o.distribution_argument_index IS NOT NULL) "
 		  . "|| ':' || coalesce(o.force_delegation, false), ',' ORDER BY p.proname) "
 		  . "FROM pg_dist_object o JOIN pg_proc p ON p.oid = o.objid "
 		  . "WHERE o.classid = 'pg_proc'::regclass AND p.proname IN "
-		  . "('idem_claim', 'idem_finish', 'idem_finish_many', 'idem_lookup', 'idem_forget')"),
-	'idem_claim:true:true,idem_finish:true:true,idem_finish_many:true:true,'
-	  . 'idem_forget:true:true,idem_lookup:true:true',
-	'the functions created anew and idem_forget are delegated by scope');
+		  . "('idem_claim', 'idem_finish', 'idem_finish_many', 'idem_lookup', 'idem_forget', "
+		  . "'idem_claim_abandoned')"),
+	'idem_claim:true:true,idem_claim_abandoned:true:true,idem_finish:true:true,'
+	  . 'idem_finish_many:true:true,idem_forget:true:true,idem_lookup:true:true',
+	'the functions created anew, idem_forget and idem_claim_abandoned are delegated by scope');
 
 # What was stored before answers as before.
 # (each call on its own in its SELECT, so that Citus delegates it)
@@ -149,6 +161,23 @@ is( coord(
 		    "SELECT outcome, attempt FROM idempotency.idem_claim('rem', "
 		  . "'{\"n\": 2}', scope => 'tenant-c')"),
 	'claimed|1', 'and it runs again');
+
+# An abandoned key and a completer, through the coordinator.
+my $job = coord(
+	    "SELECT token FROM idempotency.idem_claim('job', '{\"n\": 3}', scope => 'tenant-d', "
+	  . "keep_request => true)");
+coord(
+	    "UPDATE idempotency.keys SET lease_until = now() - interval '1 second', "
+	  . "sweep_at = now() - interval '1 second' WHERE scope = 'tenant-d' AND key = 'job'");
+coord('SELECT * FROM idempotency.idem_sweep()');
+is( coord(
+		    "SELECT token IS NULL, request FROM idempotency.keys "
+		  . "WHERE scope = 'tenant-d' AND key = 'job'"),
+	't|{"n": 3}', 'the sweep reset it in its shard and kept its request');
+is( coord(
+		    "SELECT key, attempt, token > $job, request "
+		  . "FROM idempotency.idem_claim_abandoned('tenant-d', 10)"),
+	'job|2|t|{"n": 3}', 'idem_claim_abandoned takes it over with its request');
 
 $_->stop for @nodes;
 done_testing();
