@@ -1,11 +1,13 @@
 // Through PgBouncer in transaction pooling mode (IDEM_PGBOUNCER_PORT, same
 // host as PGHOST): claim and finish land on different server connections, the
 // heartbeat goes through the pooler, and a waiting duplicate holds a server
-// connection until the first request's answer is stored.
+// connection until the first request's answer is stored; a completer works
+// through the pooler while its LISTEN connection reaches the server directly.
 import { test, describe, after } from 'node:test';
 import assert from 'node:assert/strict';
+import { randomUUID } from 'node:crypto';
 import pg from 'pg';
-import { idempotent } from 'pg-idempotency';
+import { idempotent, completer } from 'pg-idempotency';
 import { db, row, newKey, deferred, waitFor, recordingPool, send, startExpress, createTestOrders } from './helpers.mjs';
 
 const port = process.env.IDEM_PGBOUNCER_PORT;
@@ -131,6 +133,36 @@ describe('through PgBouncer (transaction pooling)', { skip }, () => {
 			assert.equal((await row(key)).attempt, 1);
 		} finally {
 			await app.close();
+		}
+	});
+
+	test('a completer: its work through the pooler, its LISTEN connection direct', async () => {
+		const counted = recordingPool(bouncer);
+		const scope = `pgb-completer-${randomUUID()}`;
+		const key = newKey('pgb-abandoned');
+		const c = completer({
+			pool: counted, scope, pollInterval: 3600, lease: 0.6,
+			/* the server itself (PGHOST, PGPORT), not the pooler */
+			listenClient: { host: process.env.PGHOST, port: Number(process.env.PGPORT) },
+			handler: async ({ attempt, request, phase }) => {
+				await waitFor(() => counted.log.some((e) => e.kind === 'extend' && e.ok), 'a heartbeat through the pooler');
+				return { attempt, request, phase };
+			},
+		});
+		await c.start();
+		try {
+			const { rows } = await db.query(`SELECT token::text AS token FROM idempotency.idem_claim(key => $1,
+				request => '{"amount": 7}', scope => $2, lease => interval '50 milliseconds', keep_request => true)`,
+			[key, scope]);
+			await db.query(`SELECT idempotency.idem_checkpoint($1, $2::bigint, 'charged', NULL, $3)`, [key, rows[0].token, scope]);
+			await waitFor(async () => (await db.query(`SELECT lease_until <= clock_timestamp() AS ended
+				FROM idempotency.keys WHERE scope = $1 AND key = $2`, [scope, key])).rows[0].ended, 'the lease to end');
+			await db.query('SELECT * FROM idempotency.idem_sweep()');
+			await waitFor(async () => (await row(key, scope))?.status === 'succeeded', 'the completer to finish the key');
+			assert.deepEqual((await row(key, scope)).response_body.json, { attempt: 2, request: { amount: 7 }, phase: 'charged' });
+			assert.equal(counted.count('finish'), 1, 'the finish went through the pooler');
+		} finally {
+			await c.stop();
 		}
 	});
 });

@@ -6,7 +6,7 @@ const pg = require('pg');
 const idem = require('pg-idempotency');
 
 assert.match(require.resolve('pg-idempotency'), new RegExp(`node_modules\\${path.sep}pg-idempotency\\${path.sep}lib\\${path.sep}index\\.cjs$`));
-for (const name of ['idempotent', 'expressIdempotency', 'fastifyIdempotency', 'rawBody', 'idempotencyContext', 'parseIdempotencyKey'])
+for (const name of ['idempotent', 'expressIdempotency', 'fastifyIdempotency', 'rawBody', 'idempotencyContext', 'parseIdempotencyKey', 'completer'])
 	assert.equal(typeof idem[name], 'function', name);
 assert.equal(idem.fastifyIdempotency[Symbol.for('skip-override')], true);
 

@@ -2,7 +2,9 @@
 with fewer server connections than clients: claim, heartbeat and finish each
 take whatever server connection is free. A trigger on idempotency.keys records
 which server process (pg_backend_pid) wrote each change of a key, so the tests
-can show that the claim and the finish ran on different server connections."""
+can show that the claim and the finish ran on different server connections.
+A completer works through the pooler while its LISTEN connection reaches the
+server directly."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from conftest import Server, requires_bouncer, stored, wait_for
 from httpapp import calls, gate, make_app
-from pg_idempotency import idempotent
+from pg_idempotency import completer, idempotent
 
 pytestmark = requires_bouncer
 
@@ -251,3 +253,36 @@ def test_session_bound_behind_the_pooler_binds_the_poolers_session(db: Any, key:
     assert db.execute("SELECT outcome FROM idempotency.idem_claim(%s)",
                       (key2,)).fetchone()[0] == "in_progress"  # type: ignore[index]
     db.execute("SELECT idempotency.idem_release(%s, %s)", (key2, token))
+
+
+def test_a_completer_through_the_pooler_with_its_listen_connection_direct(db: Any,
+                                                                          key: str) -> None:
+    scope = "pgb-completer-" + key
+    with ConnectionPool(BOUNCER, min_size=2, max_size=4, kwargs=BOUNCER_KWARGS) as pool:
+
+        def handler(job: Any) -> Dict[str, Any]:
+            before = len(writes(db, key))       # the takeover's write is in
+            wait_for(lambda: len(writes(db, key)) > before, what="a heartbeat through the pooler")
+            return {"attempt": job.attempt, "request": job.request, "phase": job.phase}
+
+        # listen_conninfo "": the libpq environment, the server itself
+        with completer(pool, scope=scope, handler=handler, lease=0.6, poll_interval=3600,
+                       listen_conninfo="") as c:
+            assert c.listening
+            row = db.execute("SELECT token FROM idempotency.idem_claim(key => %s, "
+                             "request => '{\"amount\": 7}', scope => %s, "
+                             "lease => interval '50 milliseconds', keep_request => true)",
+                             (key, scope)).fetchone()
+            assert row is not None
+            db.execute("SELECT idempotency.idem_checkpoint(%s, %s, 'charged', NULL, %s)",
+                       (key, row[0], scope))
+            wait_for(lambda: db.execute(
+                "SELECT lease_until <= clock_timestamp() FROM idempotency.keys "
+                "WHERE scope = %s AND key = %s", (scope, key)).fetchone() == (True,),
+                what="the lease to end")
+            db.execute("SELECT * FROM idempotency.idem_sweep()")
+            wait_for(lambda: stored(db, key, scope) is not None
+                     and stored(db, key, scope)[0] == "succeeded",  # type: ignore[index]
+                     what="the completer to finish the key")
+    assert stored(db, key, scope) == ("succeeded", 2, None, {"v": 1, "json": {
+        "attempt": 2, "request": {"amount": 7}, "phase": "charged"}})

@@ -11,5 +11,8 @@ export async function run(): Promise<number> {
 		console.log(p.key.length);
 	const d: 'succeeded' | 'failed' | 'release' = idem.defaultStorePolicy(201);
 	void d;
+	const c = idem.completer({ pool, scope: 'jobs', handler: async (job) => job.attempt, listenClient: { port: 5432 } });
+	await c.start();
+	await c.stop();
 	return r.replayed ? r.value : r.value + 1;
 }

@@ -2,7 +2,7 @@
 import {
 	idempotent, idempotentJob, currentJob, expressIdempotency, fastifyIdempotency, rawBody, idempotencyContext,
 	defaultStorePolicy, InProgressError, KeyLostError, MisconfiguredError, ExpiredError, type IdempotencyContext,
-	type JsonValue,
+	type JsonValue, completer, type Completer, type CompletedResponse,
 } from 'pg-idempotency';
 import express from 'express';
 import Fastify from 'fastify';
@@ -102,3 +102,32 @@ try {
 	if (err instanceof MisconfiguredError)
 		console.log(err.message);
 }
+
+const kept = expressIdempotency({ pool, keepRequest: true });
+void kept;
+await idempotent(pool, { key: 'order-2', request: { amount: 5 }, keepRequest: true },
+	async ({ request, token }) => ({ request, token }));
+const orders: Completer = completer({
+	pool, scope: 'orders', concurrency: 4, lease: 30, pollInterval: 60, listenClient: 'postgresql://db-direct/shop',
+	handler: async ({ key, token, attempt, request, phase, phaseData, checkpoint, signal }) => {
+		signal.throwIfAborted();
+		if (phase === null)
+			await checkpoint('charged', { charge: key });
+		return { token, attempt, request, phaseData };
+	},
+	onClaim: ({ key, attempt, phase }) => console.log(key, attempt, phase),
+	onFinish: ({ status, error }) => {
+		const how: 'succeeded' | 'failed' | 'released' = status;
+		void how; void error;
+	},
+});
+await orders.start();
+const taken: number = await orders.poll();
+const up: boolean = orders.listening;
+void taken; void up;
+await orders.stop();
+const http = completer({
+	pool, kind: 'http', listenClient: false,
+	handler: async ({ request }): Promise<CompletedResponse> => ({ status: 201, headers: { location: '/o/1' }, body: request }),
+});
+void http;

@@ -296,7 +296,7 @@ class Completer:
                                     on_error=on_error), logger)
         self._pool = pool
         self._listen: Optional[Tuple[str, Dict[str, Any]]] = (
-            None if listen_conninfo is False else _conninfo_of(pool, listen_conninfo or None))
+            None if listen_conninfo is False else _conninfo_of(pool, listen_conninfo))
         self._info: Optional[ServerInfo] = None
         self._lock = threading.Lock()          # running, backlog
         self._pump_lock = threading.Lock()     # one batch of claims at a time
@@ -621,7 +621,7 @@ class AsyncCompleter:
                                     on_error=on_error), logger)
         self._pool = pool
         self._listen: Optional[Tuple[str, Dict[str, Any]]] = (
-            None if listen_conninfo is False else _conninfo_of(pool, listen_conninfo or None))
+            None if listen_conninfo is False else _conninfo_of(pool, listen_conninfo))
         self._info: Optional[ServerInfo] = None
         self._running: Set["asyncio.Task[None]"] = set()
         self._backlog = False
