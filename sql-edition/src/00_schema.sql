@@ -6,7 +6,7 @@
  *
  * Owns the objects that hold data, and what pg_dump carries of them: the
  * same columns, indexes, storage and privileges as the C edition's
- * idempotency--1.6.sql and idempotency--1.6--1.7.sql, so that a dump of
+ * idempotency--1.6.sql and its update scripts up to 1.8, so that a dump of
  * either edition restores into the other.  Every statement creates only
  * what is missing, because running the script again is how the plain
  * installer upgrades, and it must never drop a key.  The comment that
@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS idempotency.keys (
 	phase_data		jsonb,
 	owner_session	bigint,
 	remember		interval,
+	request			jsonb,
 	CONSTRAINT keys_pkey PRIMARY KEY (scope, key)
 ) WITH (fillfactor = 80);
 
@@ -84,9 +85,33 @@ BEGIN
 	END IF;
 END;
 $do$;
+
+/*
+ * The request a claim kept for a completer (NULL: none kept), the last
+ * column, as versions before 1.8.0 lacked it: added after remember, the
+ * same way, so that a table of any older version ends with the columns of
+ * a fresh install in their order.
+ */
+DO $do$
+BEGIN
+	IF NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a
+				   WHERE a.attrelid OPERATOR(pg_catalog.=) 'idempotency.keys'::pg_catalog.regclass
+					 AND a.attname OPERATOR(pg_catalog.=) 'request' AND NOT a.attisdropped) THEN
+		ALTER TABLE idempotency.keys ADD COLUMN request jsonb;
+	END IF;
+END;
+$do$;
 CREATE INDEX IF NOT EXISTS keys_sweep_at_idx ON idempotency.keys (sweep_at);
 CREATE INDEX IF NOT EXISTS keys_owner_session_idx ON idempotency.keys (owner_session)
 	WHERE owner_session IS NOT NULL;
+/*
+ * The keys a sweep reset (token NULL: only a pending key whose lease or
+ * session ended has none), by scope and lease: idem_claim_abandoned finds
+ * a scope's oldest without reading other scopes' keys.  A finish never
+ * changes the token, so a claim's key never enters it.
+ */
+CREATE INDEX IF NOT EXISTS keys_abandoned_idx ON idempotency.keys (scope, lease_until)
+	WHERE token IS NULL;
 
 REVOKE ALL ON TABLE idempotency.keys FROM PUBLIC;
 REVOKE ALL ON SEQUENCE idempotency.token_seq FROM PUBLIC;

@@ -41,15 +41,16 @@ DECLARE
 	names text[] := ARRAY['scope', 'key', 'status', 'token', 'attempt',
 		'fingerprint', 'response_code', 'response_body', 'created_at',
 		'finished_at', 'lease_until', 'expires_at', 'retention', 'sweep_at',
-		'phase', 'phase_data', 'owner_session', 'remember'];
+		'phase', 'phase_data', 'owner_session', 'remember', 'request'];
 	types oid[] := ARRAY['text'::regtype, 'text'::regtype, 'text'::regtype,
 		'bigint'::regtype, 'integer'::regtype, 'bytea'::regtype,
 		'integer'::regtype, 'jsonb'::regtype, 'timestamptz'::regtype,
 		'timestamptz'::regtype, 'timestamptz'::regtype, 'timestamptz'::regtype,
 		'interval'::regtype, 'timestamptz'::regtype, 'text'::regtype,
-		'jsonb'::regtype, 'bigint'::regtype, 'interval'::regtype]::oid[];
+		'jsonb'::regtype, 'bigint'::regtype, 'interval'::regtype,
+		'jsonb'::regtype]::oid[];
 	required boolean[] := ARRAY[true, true, true, false, true, false, false,
-		false, true, false, false, true, true, true, false, false, false, false];
+		false, true, false, false, true, true, true, false, false, false, false, false];
 	nsp oid := pg_catalog.to_regnamespace('idempotency');
 	ext oid;
 	keys oid;
@@ -97,7 +98,7 @@ BEGIN
 			USING ERRCODE = '55000', HINT = 'Someone dropped the extension''s objects; reinstall the extension.';
 	END IF;
 	SELECT c.relnatts INTO natts FROM pg_catalog.pg_class c WHERE c.oid OPERATOR(pg_catalog.=) keys;
-	IF natts OPERATOR(pg_catalog.<>) 18 THEN
+	IF natts OPERATOR(pg_catalog.<>) 19 THEN
 		RAISE EXCEPTION 'table "idempotency.keys" is not as extension "idempotency" created it'
 			USING ERRCODE = '55000', HINT = 'Someone replaced the extension''s objects; reinstall the extension.';
 	END IF;
@@ -123,7 +124,7 @@ BEGIN
 	FOR a IN
 		SELECT n.name, n.cols, n.partial FROM (VALUES
 			('keys_pkey', '1 2', false), ('keys_sweep_at_idx', '14', false),
-			('keys_owner_session_idx', '17', true)) n(name, cols, partial)
+			('keys_owner_session_idx', '17', true), ('keys_abandoned_idx', '1 11', true)) n(name, cols, partial)
 	LOOP
 		idx := pg_catalog.to_regclass('idempotency.' OPERATOR(pg_catalog.||) a.name);
 		IF idx IS NULL THEN
@@ -190,9 +191,9 @@ $$;
  *   1  when a write runs code a user attached to idempotency.keys: a
  *      trigger (a foreign key that references the table has them), a rule,
  *      row security, a stored generated column, any CHECK constraint, any
- *      index expression or predicate but keys_owner_session_idx's, an
- *      access method, operator class or exclusion operator that is not
- *      PostgreSQL's own;
+ *      index expression or predicate but those of keys_owner_session_idx
+ *      and keys_abandoned_idx, an access method, operator class or
+ *      exclusion operator that is not PostgreSQL's own;
  *   2  added when one of those triggers is deferrable (it fires at commit,
  *      outside the call);
  *   4  added when the table has a rule on INSERT or UPDATE, where
@@ -247,6 +248,7 @@ AS $$
 DECLARE
 	keys oid;
 	session_idx oid;
+	abandoned_idx oid;
 	f record;
 	flags integer := 0;
 BEGIN
@@ -254,6 +256,7 @@ BEGIN
 	PERFORM idempotency._check_bindings();
 	keys := pg_catalog.to_regclass('idempotency.keys');
 	session_idx := pg_catalog.to_regclass('idempotency.keys_owner_session_idx');
+	abandoned_idx := pg_catalog.to_regclass('idempotency.keys_abandoned_idx');
 	SELECT ic.relname, pg_catalog.quote_ident(p.proname) OPERATOR(pg_catalog.||) '('
 		   OPERATOR(pg_catalog.||) pg_catalog.pg_get_function_identity_arguments(p.oid)
 		   OPERATOR(pg_catalog.||) ')' AS fn INTO f
@@ -293,7 +296,8 @@ BEGIN
 	   OR EXISTS (SELECT FROM pg_catalog.pg_index i
 				  WHERE i.indrelid OPERATOR(pg_catalog.=) keys
 					AND (i.indexprs IS NOT NULL
-						 OR (i.indpred IS NOT NULL AND i.indexrelid IS DISTINCT FROM session_idx)
+						 OR (i.indpred IS NOT NULL AND i.indexrelid IS DISTINCT FROM session_idx
+							 AND i.indexrelid IS DISTINCT FROM abandoned_idx)
 						 OR EXISTS (SELECT FROM pg_catalog.pg_class ic
 									 WHERE ic.oid OPERATOR(pg_catalog.=) i.indexrelid
 									   AND ic.relam OPERATOR(pg_catalog.>=) 16384)

@@ -35,11 +35,14 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE
 RETURN pg_catalog.hashtext(pg_catalog.octet_length(scope)::text OPERATOR(pg_catalog.||) ':'
 	OPERATOR(pg_catalog.||) scope OPERATOR(pg_catalog.||) key) OPERATOR(pg_catalog.&) 262143;
 
--- versions before 1.7.0 had no p_remember (01_update.sql)
+-- versions before 1.7.0 had no p_remember, before 1.8.0 no p_request
+-- (01_update.sql)
 DO $do$
 BEGIN
 	PERFORM idempotency._update_set_aside(
 		'idempotency._claim_key(name,oid,text,bytea,text,interval,interval,boolean)');
+	PERFORM idempotency._update_set_aside(
+		'idempotency._claim_key(name,oid,text,bytea,text,interval,interval,boolean,interval)');
 END;
 $do$;
 
@@ -57,7 +60,10 @@ $do$;
  *     retention passed: the row locked without waiting (FOR NO KEY UPDATE
  *     SKIP LOCKED, which also reads its newest committed version), judged
  *     again and updated; a claim that writes stores p_remember (NULL: not
- *     remembered).
+ *     remembered) and p_request, the request kept for a completer: a fresh
+ *     claim stores it as it is (NULL: none), a takeover only when it is
+ *     not NULL, and keeps the stored one otherwise (with keep_request and
+ *     no request both are NULL, as the fingerprints match).
  * A row version another transaction is changing or locking right now
  * answers in_progress (_probe tells).  Besides the claim's columns it says
  * why a key is in progress ("busy": 'row' when another transaction holds
@@ -72,7 +78,7 @@ $do$;
 CREATE OR REPLACE FUNCTION idempotency._claim_key(p_who name, p_role oid,
 	p_key text, p_fp bytea, p_scope text, p_lease interval,
 	p_retention interval, p_session_bound boolean, p_remember interval,
-	OUT outcome text, OUT token bigint, OUT attempt integer, OUT status text,
+	p_request jsonb, OUT outcome text, OUT token bigint, OUT attempt integer, OUT status text,
 	OUT response_code integer, OUT response_body jsonb, OUT retry_after integer,
 	OUT phase text, OUT phase_data jsonb,
 	OUT busy text, OUT held boolean, OUT lease_until timestamptz,
@@ -215,10 +221,10 @@ BEGIN
 				INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 					fingerprint, response_code, response_body, created_at, finished_at,
 					lease_until, expires_at, retention, sweep_at, phase, phase_data,
-					owner_session, remember)
+					owner_session, remember, request)
 				VALUES (p_scope, p_key, 'pending', _claim_key.token, 1, p_fp, NULL, NULL,
 					now, NULL, _claim_key.lease_until, expires, ret, _claim_key.lease_until,
-					NULL, NULL, owner, p_remember)
+					NULL, NULL, owner, p_remember, p_request)
 				ON CONFLICT (scope, key) DO NOTHING;
 				GET DIAGNOSTICS n = ROW_COUNT;
 			ELSE
@@ -227,10 +233,10 @@ BEGIN
 					INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 						fingerprint, response_code, response_body, created_at, finished_at,
 						lease_until, expires_at, retention, sweep_at, phase, phase_data,
-						owner_session, remember)
+						owner_session, remember, request)
 					VALUES (p_scope, p_key, 'pending', _claim_key.token, 1, p_fp, NULL, NULL,
 						now, NULL, _claim_key.lease_until, expires, ret, _claim_key.lease_until,
-						NULL, NULL, owner, p_remember);
+						NULL, NULL, owner, p_remember, p_request);
 					n := 1;
 				EXCEPTION WHEN unique_violation THEN
 					IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'read committed' THEN
@@ -283,7 +289,7 @@ BEGIN
 					   lease_until = _claim_key.lease_until, expires_at = expires,
 					   retention = ret, sweep_at = LEAST(l.sweep_at, _claim_key.lease_until),
 					   phase = NULL, phase_data = NULL, owner_session = owner,
-					   remember = p_remember
+					   remember = p_remember, request = p_request
 				 WHERE k.ctid OPERATOR(pg_catalog.=) l.tid;
 			ELSE
 				attempt := l.attempt OPERATOR(pg_catalog.+) 1;
@@ -293,7 +299,8 @@ BEGIN
 				   SET token = _claim_key.token, attempt = _claim_key.attempt,
 					   lease_until = _claim_key.lease_until, expires_at = expires,
 					   retention = ret, sweep_at = LEAST(l.sweep_at, _claim_key.lease_until),
-					   owner_session = owner, remember = p_remember
+					   owner_session = owner, remember = p_remember,
+					   request = COALESCE(p_request, k.request)
 				 WHERE k.ctid OPERATOR(pg_catalog.=) l.tid;
 			END IF;
 		END IF;
@@ -347,11 +354,14 @@ BEGIN
 END;
 $$;
 
--- versions before 1.7.0 had no remember argument (01_update.sql)
+-- versions before 1.7.0 had no remember argument, before 1.8.0 no
+-- keep_request (01_update.sql)
 DO $do$
 BEGIN
 	PERFORM idempotency._update_set_aside(
 		'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean)');
+	PERFORM idempotency._update_set_aside(
+		'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval)');
 END;
 $do$;
 
@@ -371,7 +381,9 @@ $do$;
  * or the key's lane's, so the wait ends when that transaction (or the
  * savepoint it made the change in) does.  A key held by an attempt whose
  * claim committed is polled, 1 ms at first, backing off to 10 ms, and
- * never past the lease's end.
+ * never past the lease's end.  With keep_request a claim that writes keeps
+ * the request for a completer (idem_claim_abandoned), and a request larger
+ * than a response body may be is refused before anything is read.
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_claim(
 	key			text,
@@ -381,7 +393,8 @@ CREATE OR REPLACE FUNCTION idempotency.idem_claim(
 	retention	interval	DEFAULT NULL,
 	wait		interval	DEFAULT '0',
 	session_bound boolean	DEFAULT false,
-	remember	interval	DEFAULT NULL)
+	remember	interval	DEFAULT NULL,
+	keep_request boolean	DEFAULT false)
 RETURNS SETOF idempotency.claim_result
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE ROWS 1 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -402,6 +415,7 @@ DECLARE
 	ls interval;
 	rt interval;
 	rem interval;
+	kept jsonb;
 BEGIN
 	IF NOT (key IS NULL OR pg_catalog.octet_length(key) OPERATOR(pg_catalog.=) 0 OR
 			pg_catalog.octet_length(key) OPERATOR(pg_catalog.>) 255 OR
@@ -417,6 +431,9 @@ BEGIN
 				(remember OPERATOR(pg_catalog.>) '0'::interval AND
 				 remember OPERATOR(pg_catalog.<=) '10000 years'::interval AND
 				 pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) remember OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()))) OR
+			(keep_request AND request IS NOT NULL AND
+			 pg_catalog.pg_column_size(request::text::jsonb) OPERATOR(pg_catalog.-) 4
+				OPERATOR(pg_catalog.>) idempotency._response_limit()) OR
 			pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean OR
 			pg_catalog.to_regclass('idempotency.keys') IS NULL OR
 			pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL) THEN
@@ -491,13 +508,14 @@ BEGIN
 				INSERT INTO idempotency.keys AS k (scope, key, status, token, attempt,
 					fingerprint, response_code, response_body, created_at, finished_at,
 					lease_until, expires_at, retention, sweep_at, phase, phase_data,
-					owner_session, remember)
+					owner_session, remember, request)
 				VALUES (idem_claim.scope, idem_claim.key, 'pending', tok, 1, w.fp,
 					NULL, NULL, now, NULL, now OPERATOR(pg_catalog.+) ls,
 					GREATEST(now OPERATOR(pg_catalog.+) rt, now OPERATOR(pg_catalog.+) ls),
 					rt, now OPERATOR(pg_catalog.+) ls, NULL, NULL, NULL,
 					CASE WHEN idem_claim.remember IS NULL THEN idempotency._remember_setting()
-						 ELSE NULLIF(idem_claim.remember, '0'::interval) END)
+						 ELSE NULLIF(idem_claim.remember, '0'::interval) END,
+					CASE WHEN idem_claim.keep_request THEN idem_claim.request END)
 				ON CONFLICT ON CONSTRAINT keys_pkey DO NOTHING;
 				IF FOUND THEN
 					IF COALESCE(w.first, '') OPERATOR(pg_catalog.=) '' THEN
@@ -543,16 +561,22 @@ BEGIN
 	IF remember IS NOT NULL THEN
 		PERFORM idempotency._check_interval(remember, 'remember', true);
 	END IF;
+	IF keep_request THEN
+		PERFORM idempotency._check_body(request, 'request');
+	END IF;
 	IF pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean THEN
 		PERFORM idempotency._check_writable('idem_claim()');
 	END IF;
 	rem := CASE WHEN remember IS NULL THEN idempotency._remember_setting()
 		   ELSE NULLIF(remember, '0'::interval) END;
+	IF keep_request THEN
+		kept := request;
+	END IF;
 	IF request IS NOT NULL THEN
 		fp := pg_catalog.sha256(pg_catalog.convert_to(request::text, pg_catalog.getdatabaseencoding()));
 	END IF;
 	w := idempotency._claim_key(who, role, key, fp,
-		scope, lease, retention, session_bound, rem);
+		scope, lease, retention, session_bound, rem, kept);
 	IF w.outcome OPERATOR(pg_catalog.=) 'in_progress' AND NOT w.held
 	   AND wait OPERATOR(pg_catalog.>) '0'::interval THEN
 		deadline := pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) wait;
@@ -598,7 +622,7 @@ BEGIN
 				pause := LEAST(pause OPERATOR(pg_catalog.*) 2, 0.01);
 			END IF;
 			w := idempotency._claim_key(who, role, key, fp,
-				scope, lease, retention, session_bound, rem);
+				scope, lease, retention, session_bound, rem, kept);
 			EXIT WHEN w.outcome OPERATOR(pg_catalog.<>) 'in_progress' OR w.held;
 		END LOOP;
 	END IF;
@@ -612,9 +636,9 @@ $$;
 
 /*
  * idem_claim_many: every argument checked first, then each element claimed
- * as idem_claim (without wait, remember from idempotency.remember) would,
- * one after another; the tokens are made durable once, before the rows
- * leave.
+ * as idem_claim (without wait, remember from idempotency.remember, no
+ * request kept) would, one after another; the tokens are made durable
+ * once, before the rows leave.
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_claim_many(
 	keys			text[],
@@ -760,7 +784,7 @@ BEGIN
 		w := idempotency._claim_key(who, role, k[i],
 			CASE WHEN req[i] IS NOT NULL THEN
 				pg_catalog.sha256(pg_catalog.convert_to(req[i]::text, pg_catalog.getdatabaseencoding())) END,
-			scope, lease, retention, session_bound, rem);
+			scope, lease, retention, session_bound, rem, NULL);
 		IF w.token_lsn IS NOT NULL THEN
 			lsn := GREATEST(lsn, w.token_lsn);
 		END IF;

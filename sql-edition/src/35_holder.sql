@@ -104,7 +104,7 @@ $do$;
  * 55P03, or a wait while the lease runs, see below), and no row stays
  * locked.  Returns the key's expiry (finish), the new lease end (extend),
  * or NULL.  A finish stores p_remember (0: not remembered) or, when it is
- * NULL, keeps the claim's.  A finish repeated with the token that finished
+ * NULL, keeps the claim's, and drops the request a claim kept.  A finish repeated with the token that finished
  * the key answers that finish's expiry and writes nothing.  A remembered
  * key is past its retention: P0002, as for any such key.  No SET clause of its own: it
  * runs only inside the API functions, which pin search_path and the plan
@@ -179,7 +179,8 @@ BEGIN
 					   lease_until = NULL, expires_at = result,
 					   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL,
 					   remember = CASE WHEN p_remember IS NULL THEN k.remember
-								  ELSE NULLIF(p_remember, '0'::interval) END
+								  ELSE NULLIF(p_remember, '0'::interval) END,
+					   request = NULL
 				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
 				p_interval := COALESCE(p_interval, idempotency._lease_setting());
@@ -414,7 +415,8 @@ BEGIN
 				   lease_until = NULL, expires_at = result,
 				   sweep_at = LEAST(r.sweep_at, result), owner_session = NULL,
 				   remember = CASE WHEN idem_finish.remember IS NULL THEN k.remember
-							  ELSE NULLIF(idem_finish.remember, '0'::interval) END
+							  ELSE NULLIF(idem_finish.remember, '0'::interval) END,
+				   request = NULL
 			 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			IF FOUND THEN
 				RETURN result;
@@ -629,7 +631,8 @@ BEGIN
 						   lease_until = NULL, expires_at = held.expires,
 						   sweep_at = LEAST(kk.sweep_at, held.expires), owner_session = NULL,
 						   remember = CASE WHEN idem_finish_many.remember IS NULL THEN kk.remember
-									  ELSE NULLIF(idem_finish_many.remember, '0'::interval) END
+									  ELSE NULLIF(idem_finish_many.remember, '0'::interval) END,
+						   request = NULL
 					  FROM held
 					 WHERE kk.ctid OPERATOR(pg_catalog.=) ANY (ARRAY(SELECT h.tid FROM held h))
 					   AND kk.ctid OPERATOR(pg_catalog.=) held.tid

@@ -6,7 +6,11 @@
  * Mirrors sweep.c: idem_sweep locks a batch of candidate rows without
  * waiting (skipping any that another transaction is changing or locking)
  * and _sweep_rows deletes, compacts, resets or reschedules them, a
- * statement of each kind for the whole batch.  The SQL edition
+ * statement of each kind for the whole batch.  A reset key is abandoned:
+ * the sweep notifies idempotency_abandoned with its scope, so that
+ * completers listening there take it over (PostgreSQL delivers a
+ * notification once per transaction however often it is sent, and only
+ * at commit).  The SQL edition
  * has no background worker (worker.c), so the application or pg_cron
  * calls idem_sweep.
  *
@@ -21,13 +25,15 @@
 /*
  * Sweep the row versions "tids" (candidates locked by the caller): delete
  * those past their retention whose attempt does not run, but compact a
- * remembered one (its response and recovery point go, its outcome and
- * fingerprint stay, sweep_at moves to its remember's end, which also
- * marks it compacted), reset pending ones whose attempt ended (their
- * tokens die), at most "max_expire" deleted or compacted and "max_reset"
- * reset; with "reschedule", move the others' sweep_at to when they next
- * need a look.  A pending key our own open transaction claimed is left
- * alone.  Nothing is written where the store's verdict refuses a write
+ * remembered one (its response, recovery point and any kept request go,
+ * its outcome and fingerprint stay, sweep_at moves to its remember's end,
+ * which also marks it compacted), reset pending ones whose attempt ended
+ * (their tokens die; a kept request stays for a completer), at most
+ * "max_expire" deleted or compacted and "max_reset" reset; with
+ * "reschedule", move the others' sweep_at to when they next need a look.
+ * Each scope with a key reset is notified on idempotency_abandoned; keys
+ * deleted or compacted notify nothing.  A pending key our own open
+ * transaction claimed is left alone.  Nothing is written where the store's verdict refuses a write
  * (_refuse_write), and nothing is refused when there is nothing to write.
  * Returns how many were expired (deleted or compacted: either ends a
  * key's stored response), reset and rescheduled.
@@ -48,6 +54,7 @@ DECLARE
 	comp tid[] := '{}';
 	res tid[] := '{}';
 	later tid[] := '{}';
+	res_scopes text[] := '{}';
 	t tid;
 	n bigint;
 	saved jsonb;
@@ -59,7 +66,7 @@ BEGIN
 		snap := pg_catalog.pg_current_snapshot();
 	END IF;
 	FOR c IN
-		SELECT k.ctid AS tid, k.xmin AS xmin_, k.status, k.token, k.lease_until,
+		SELECT k.ctid AS tid, k.xmin AS xmin_, k.scope, k.status, k.token, k.lease_until,
 			   k.expires_at, k.owner_session, k.sweep_at, k.remember
 		  FROM idempotency.keys k
 		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (tids)
@@ -91,6 +98,7 @@ BEGIN
 		ELSIF c.status OPERATOR(pg_catalog.=) 'pending' AND c.token IS NOT NULL AND NOT runs THEN
 			IF reset OPERATOR(pg_catalog.<) max_reset THEN
 				res := res OPERATOR(pg_catalog.||) c.tid;
+				res_scopes := pg_catalog.array_append(res_scopes, c.scope);
 				reset := reset OPERATOR(pg_catalog.+) 1;
 			END IF;
 		ELSIF reschedule THEN
@@ -121,21 +129,24 @@ BEGIN
 		FOREACH t IN ARRAY comp LOOP
 			saved := idempotency._settings_save();
 			UPDATE idempotency.keys k
-			   SET response_body = NULL, phase = NULL, phase_data = NULL,
+			   SET response_body = NULL, phase = NULL, phase_data = NULL, request = NULL,
 				   sweep_at = k.expires_at OPERATOR(pg_catalog.+) k.remember
 			 WHERE k.ctid OPERATOR(pg_catalog.=) t;
 			GET DIAGNOSTICS n = ROW_COUNT;
 			expired := expired OPERATOR(pg_catalog.+) n;
 			PERFORM idempotency._settings_restore(saved);
 		END LOOP;
-		FOREACH t IN ARRAY res LOOP
+		FOR i IN 1..pg_catalog.cardinality(res) LOOP
 			saved := idempotency._settings_save();
 			UPDATE idempotency.keys k
 			   SET token = NULL, sweep_at = k.expires_at, owner_session = NULL
-			 WHERE k.ctid OPERATOR(pg_catalog.=) t;
+			 WHERE k.ctid OPERATOR(pg_catalog.=) res[i];
 			GET DIAGNOSTICS n = ROW_COUNT;
 			reset := reset OPERATOR(pg_catalog.+) n;
 			PERFORM idempotency._settings_restore(saved);
+			IF n OPERATOR(pg_catalog.>) 0 THEN
+				PERFORM pg_catalog.pg_notify('idempotency_abandoned', res_scopes[i]);
+			END IF;
 		END LOOP;
 		FOREACH t IN ARRAY later LOOP
 			saved := idempotency._settings_save();
@@ -160,17 +171,23 @@ BEGIN
 	END IF;
 	IF pg_catalog.cardinality(comp) OPERATOR(pg_catalog.>) 0 THEN
 		UPDATE idempotency.keys k
-		   SET response_body = NULL, phase = NULL, phase_data = NULL,
+		   SET response_body = NULL, phase = NULL, phase_data = NULL, request = NULL,
 			   sweep_at = k.expires_at OPERATOR(pg_catalog.+) k.remember
 		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (comp);
 		GET DIAGNOSTICS n = ROW_COUNT;
 		expired := expired OPERATOR(pg_catalog.+) n;
 	END IF;
 	IF pg_catalog.cardinality(res) OPERATOR(pg_catalog.>) 0 THEN
-		UPDATE idempotency.keys k
-		   SET token = NULL, sweep_at = k.expires_at, owner_session = NULL
-		 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (res);
-		GET DIAGNOSTICS reset = ROW_COUNT;
+		WITH done AS (
+			UPDATE idempotency.keys k
+			   SET token = NULL, sweep_at = k.expires_at, owner_session = NULL
+			 WHERE k.ctid OPERATOR(pg_catalog.=) ANY (res)
+			RETURNING k.scope)
+		SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT done.scope)
+		  INTO reset, res_scopes
+		  FROM done;
+		PERFORM pg_catalog.pg_notify('idempotency_abandoned', u.scope)
+		   FROM pg_catalog.unnest(res_scopes) u(scope);
 	END IF;
 	-- (a pending key in "later" whose lease runs has a live owner: a dead
 	-- one's key was reset above)
@@ -194,7 +211,9 @@ $$;
  * batch_size of each kind; keys found before their time are rescheduled on
  * the way.  Never waits: rows
  * that others are changing or locking are skipped (FOR NO KEY UPDATE SKIP
- * LOCKED, which also reads the newest committed version of each).
+ * LOCKED, which also reads the newest committed version of each).  Sends
+ * NOTIFY idempotency_abandoned once for each scope where it reset a key,
+ * delivered when the caller's transaction commits.
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_sweep(
 	batch_size	integer	DEFAULT NULL)

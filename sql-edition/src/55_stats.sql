@@ -17,6 +17,13 @@
  * ---------------------------------------------------------------------
  */
 
+-- versions before 1.8.0 had no abandoned_takeovers column (01_update.sql)
+DO $do$
+BEGIN
+	PERFORM idempotency._update_set_aside('idempotency.stats_counters()', 'abandoned_takeovers');
+END;
+$do$;
+
 /*
  * The call counters live in the C edition's shared memory; the SQL edition
  * has none, so this returns no row and the view's counters are NULL.
@@ -26,7 +33,7 @@ CREATE OR REPLACE FUNCTION idempotency.stats_counters(
 	OUT in_progress bigint, OUT mismatches bigint, OUT finishes bigint,
 	OUT releases bigint, OUT expired bigint, OUT reset bigint,
 	OUT last_sweep_at timestamptz, OUT last_sweep_ms double precision,
-	OUT checkpoints bigint)
+	OUT checkpoints bigint, OUT abandoned_takeovers bigint)
 RETURNS SETOF record
 LANGUAGE plpgsql VOLATILE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
@@ -157,7 +164,7 @@ SELECT d.datname AS database,
 	   c.finishes, c.releases, c.expired, c.reset,
 	   c.last_sweep_at, c.last_sweep_ms,
 	   k.pending, k.succeeded, k.failed, k.exact AS key_counts_exact,
-	   c.checkpoints, k.remembered
+	   c.checkpoints, k.remembered, c.abandoned_takeovers
   FROM pg_catalog.pg_database d
   LEFT JOIN idempotency.stats_counters() c
 	ON c.dbid OPERATOR(pg_catalog.=) d.oid

@@ -40,10 +40,11 @@ END;
 $$;
 REVOKE ALL ON FUNCTION idempotency.distribute(integer) FROM PUBLIC;
 
--- versions before 1.7.0 had no remembered column (01_update.sql)
+-- versions before 1.7.0 had no remembered column, before 1.8.0 no
+-- abandoned_takeovers (01_update.sql)
 DO $do$
 BEGIN
-	PERFORM idempotency._update_set_aside('idempotency.cluster_stats_rows()', 'remembered');
+	PERFORM idempotency._update_set_aside('idempotency.cluster_stats_rows()', 'abandoned_takeovers');
 END;
 $do$;
 
@@ -55,7 +56,8 @@ RETURNS TABLE (node text, database name, claims bigint, takeovers bigint,
 			   reset bigint, last_sweep_at timestamptz,
 			   last_sweep_ms double precision, pending bigint,
 			   succeeded bigint, failed bigint, key_counts_exact boolean,
-			   checkpoints bigint, remembered bigint)
+			   checkpoints bigint, remembered bigint,
+			   abandoned_takeovers bigint)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
