@@ -68,8 +68,15 @@ test('the service killed after the authorization: the completer captures, the re
 	assert.deepEqual(provider.booked(orderRef(key)).map((e) => e.step), ['authorizations']);
 	const { authorization } = left.phase_data;
 
-	/* once the lease is over, the sweep resets the key and notifies the completer */
-	await waitFor(async () => (await stored(key)).lease_ended, 'the crashed attempt\'s lease to end');
+	/*
+	 * Once the lease is over, the sweep resets the key and notifies the
+	 * completer (the background worker's sweep may come first: then the
+	 * completer has the key already).
+	 */
+	await waitFor(async () => {
+		const now = await stored(key);
+		return now.lease_ended || now.attempt > 1;
+	}, 'the crashed attempt\'s lease to end');
 	await sweep();
 	await waitFor(async () => (await stored(key)).status === 'succeeded', 'the completer to finish the order');
 	await completer.waitForLine(new RegExp(`^FINISHED ${key} succeeded$`));
