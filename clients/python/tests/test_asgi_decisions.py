@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import threading
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -17,6 +18,7 @@ import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
+import pg_idempotency
 from conftest import Server, database_with_extension, stored, take_over, wait_for, with_pool_lifespan
 from pg_idempotency import (IdempotencyAttempt, IdempotencyMiddleware, MisconfiguredError,
                             idempotent)
@@ -427,7 +429,8 @@ def test_a_missing_database_is_a_500_not_a_503(key: str) -> None:
 
 
 def test_an_extension_older_than_needed_names_the_update() -> None:
-    with pytest.raises(MisconfiguredError, match=r"^pg-idempotency 0\.5\.0 needs the "
+    with pytest.raises(MisconfiguredError, match=r"^pg-idempotency "
+                       + re.escape(pg_idempotency.__version__) + r" needs the "
                        r"idempotency extension 1\.0 or later; database \"shop\" has 0\.9: "
                        r"run ALTER EXTENSION idempotency UPDATE\.$"):
         server_info(("shop", "0.9", None, None))

@@ -59,10 +59,11 @@ def lease_ended(db: psycopg.Connection[Any], key: str, scope: str) -> None:
     take the key over first, woken by a sweep of the background worker."""
     first = row_of(db, key, scope)
     assert first is not None
+    token = first["token"]
     wait_for(lambda: db.execute(
         "SELECT status <> 'pending' OR token IS DISTINCT FROM %s::bigint "
         "       OR lease_until <= pg_catalog.clock_timestamp() FROM idempotency.keys "
-        "WHERE scope = %s AND key = %s", (first["token"], scope, key)).fetchone() == (True,),
+        "WHERE scope = %s AND key = %s", (token, scope, key)).fetchone() == (True,),
         what=f"the lease of {key} to end")
 
 
@@ -122,9 +123,8 @@ def quiet_pool() -> Iterator[ConnectionPool]:
 
 def sync_completer(pool: ConnectionPool, **options: Any) -> Completer:
     """A completer with the tests' settings: no timer poll unless asked."""
-    c = completer(pool, **{"poll_interval": 3600, **options})
-    assert isinstance(c, Completer)
-    return c
+    merged: Dict[str, Any] = {"poll_interval": 3600, **options}
+    return Completer(pool, **merged)
 
 
 # ---- keep_request ----------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_the_function_of_an_idempotent_job_finishes_its_keys(
         db: Any, quiet_pool: ConnectionPool) -> None:
     scope = new_scope("wrapped")
 
-    @idempotent_job(quiet_pool, key=lambda order: order["id"], request=lambda order: order,
+    @idempotent_job(quiet_pool, key=lambda order: str(order["id"]), request=lambda order: order,
                     scope=scope, keep_request=True)
     def ship(order: Dict[str, Any]) -> Dict[str, Any]:
         job = current_job()
