@@ -14,9 +14,10 @@
 #     EXTENSION idempotency VERSION; plain, its script run into schema
 #     idempotency;
 #   - keys in every state are stored: finished with a response, failed,
-#     pending under a live lease, pending with an ended lease, at a
-#     recovery point, finished and past its retention (not swept), and a
-#     batch claimed and finished together;
+#     pending under a live lease, pending with an ended lease (twice, one
+#     at a recovery point), reset by that version's sweep, finished and
+#     past its retention (not swept), and a batch claimed and finished
+#     together;
 #   - the newest installer runs over it, run by the same role (through
 #     pg_tle it registers only
 #     what is new, then ALTER EXTENSION idempotency UPDATE; plain, it
@@ -36,6 +37,13 @@
 #     answers expired (another request mismatch), the sweep compacts it
 #     (response gone, outcome kept), idem_lookup shows remembered_until and
 #     idem_forget removes it;
+#   - completers (1.8.0): no stored row has a kept request, the new index
+#     is there, PUBLIC may execute idem_claim_abandoned, which takes over
+#     the key the old version's sweep reset and the one whose lease ended,
+#     oldest first (attempt 2, a larger token, the recovery point), whose
+#     old tokens are refused (55006); a claim after the update keeps its
+#     request, a completer gets it back, its finish drops it, and the
+#     client's retry replays that finish;
 #   - the catalog is a fresh install's, definition for definition, owners
 #     and privileges included (catalog_queries, and every function of the
 #     schema for the plain installer, which makes no extension).
@@ -43,7 +51,8 @@
 # an administrator gave on the functions the update creates anew (their
 # arguments or result columns changed) carry over, grantors included where
 # the admin role may act as the grantor, the grantee's privilege where it
-# may not.
+# may not; a role with EXECUTE only claims with keep_request and calls
+# idem_claim_abandoned, which PUBLIC may execute.
 # Against the C edition the file skips: its updates are 211_upgrade.pl's.
 #
 # Run it like the other TAP tests (see the top of t/001_restart.pl), with
@@ -177,7 +186,12 @@ for my $v (@released)
 	is(sql($db, 'SELECT idempotency.idem_version()') =~ /^\Q$v\E(\.|$)/ ? 1 : 0,
 		1, "$v: installed, idem_version() names a release of $v");
 
-	# keys in every state
+	# keys in every state; first the one that version's sweep resets, while
+	# it is the only key
+	my $reset = claim($node, $db, "'reset', '{\"n\": 10}', lease => '1 second'");
+	ok(wait_lease_over($node, $db, '', 'reset'), "$v: the lease of key 'reset' ended");
+	is(sql($db, "SELECT concat_ws('|', expired, reset) FROM idempotency.idem_sweep()"),
+		'0|1', "$v: that version's sweep reset it");
 	my $done = claim($node, $db, "'done', '{\"n\": 1}', lease => '1 hour'");
 	sql($db,
 		"SELECT idempotency.idem_finish('done', $done->{token}, 200, '{\"paid\": true}')");
@@ -187,6 +201,7 @@ for my $v (@released)
 	);
 	my $live = claim($node, $db, "'live', '{\"n\": 3}', lease => '1 hour'");
 	my $stale = claim($node, $db, "'stale', '{\"n\": 4}', lease => '1 second'");
+	my $orphan = claim($node, $db, "'orphan', '{\"n\": 9}', lease => '1 second'");
 	finish_key($node, $db, 'gone', '1 second', q('{"old": true}'));
 	sql($db,
 		"SELECT idempotency.idem_checkpoint('stale', $stale->{token}, 'charged', '{\"charge\": \"ch_1\"}')"
@@ -196,7 +211,11 @@ for my $v (@released)
 			  . "(SELECT array_agg(token ORDER BY key) FROM idempotency.idem_claim_many(ARRAY['b1', 'b2'], "
 			  . "ARRAY['{\"b\": 1}', '{\"b\": 2}']::jsonb[], lease => '1 hour')), ARRAY[200, 200])"),
 		'2', "$v: a batch claimed and finished");
+	sql($db,
+		"SELECT idempotency.idem_checkpoint('orphan', $orphan->{token}, 'packed', '{\"box\": 9}')"
+	);
 	ok(wait_lease_over($node, $db, '', 'stale'), "$v: the stale key's lease ended");
+	ok(wait_lease_over($node, $db, '', 'orphan'), "$v: the orphan key's lease ended");
 	ok(wait_past_retention($node, $db, 'gone'), "$v: the finished key 'gone' is past its retention");
 
 	my $rows_before = key_rows($node, $db);
@@ -250,6 +269,45 @@ for my $v (@released)
 			"SELECT concat_ws('|', outcome, attempt) FROM idempotency.idem_claim('gone', '{\"n\": 5}')"),
 		'claimed|1', "$v: the key past its retention is claimed afresh");
 
+	# completers, new in 1.8.0
+	is(sql($db, 'SELECT count(*) FROM idempotency.keys WHERE request IS NOT NULL'),
+		'0', "$v: no stored key has a kept request");
+	is(sql($db, "SELECT pg_get_indexdef('idempotency.keys_abandoned_idx'::regclass)"),
+		'CREATE INDEX keys_abandoned_idx ON idempotency.keys USING btree (scope, lease_until) '
+		  . 'WHERE (token IS NULL)',
+		"$v: keys_abandoned_idx indexes the reset keys by scope and lease");
+	is(sql($db,
+			"SELECT has_function_privilege('public', "
+			  . "'idempotency.idem_claim_abandoned(text,integer,interval)', 'EXECUTE')"),
+		't', "$v: PUBLIC may execute idem_claim_abandoned");
+	is(sql($db,
+			"SELECT string_agg(concat_ws('|', key, attempt, token > $seq_before, request, phase, "
+			  . "phase_data), ',') FROM idempotency.idem_claim_abandoned(max_keys => 10)"),
+		'reset|2|t,orphan|2|t|packed|{"box": 9}',
+		"$v: a completer takes over the key the old sweep reset and the one whose lease "
+		  . "ended, oldest first: attempt 2, a larger token, the recovery point");
+	is(sqlstate_of($node, $db, "SELECT idempotency.idem_finish('reset', $reset->{token}, 200)"),
+		'55006', "$v: the reset key's old token is refused (55006)");
+	is(sqlstate_of($node, $db, "SELECT idempotency.idem_finish('orphan', $orphan->{token}, 200)"),
+		'55006', "$v: the orphan key's old token is refused (55006)");
+	is(claim($node, $db, "'kept', '{\"n\": 8}', lease => '1 second', keep_request => true")
+		  ->{outcome},
+		'claimed', "$v: a key claimed with keep_request");
+	is(sql($db, "SELECT request FROM idempotency.keys WHERE key = 'kept'"),
+		'{"n": 8}', "$v: the key keeps its request");
+	ok(wait_lease_over($node, $db, '', 'kept'), "$v: its lease ended");
+	my ($kept_token) = sql($db,
+		    "SELECT concat_ws('|', key, attempt, request, token) "
+		  . "FROM idempotency.idem_claim_abandoned()") =~ /^kept\|2\|\{"n": 8\}\|(\d+)$/;
+	ok(defined $kept_token, "$v: a completer gets it back with its request");
+	is(sql($db,
+			"SELECT idempotency.idem_finish('kept', $kept_token, 201, '{\"id\": 8}') IS NOT NULL; "
+			  . "SELECT request IS NULL FROM idempotency.keys WHERE key = 'kept'"),
+		"t\nt", "$v: the completer's finish drops the kept request");
+	is_deeply(claim($node, $db, "'kept', '{\"n\": 8}'"),
+		replay_row('succeeded', 201, body_md5($node, $db, q('{"id": 8}'))),
+		"$v: and the client's retry replays that finish");
+
 	# a remembered key, new in 1.7.0
 	my $rem = claim($node, $db, "'remembered', '{\"n\": 6}', remember => '1 hour'");
 	is($rem->{outcome}, 'claimed', "$v: a key claimed with remember");
@@ -297,15 +355,30 @@ for my $v (@released)
 # update creates anew.  regress_app may execute idem_claim and idem_lookup,
 # regress_lead idem_claim with the grant option, regress_worker idem_claim
 # by regress_lead's grant (the admin role is a member of regress_lead, so
-# it grants again as regress_lead), regress_monitor stats_key_counts
-# (revoked from PUBLIC, as idem_claim and idem_lookup are), and
-# regress_helper idem_finish by the grant of regress_other, a role the
-# admin may not act as: granted again by the owner.
+# it grants again as regress_lead), regress_monitor stats_key_counts and
+# stats_counters (revoked from PUBLIC, as idem_claim and idem_lookup are),
+# and regress_helper idem_finish by the grant of regress_other, a role the
+# admin may not act as: granted again by the owner where the update creates
+# idem_finish anew (from a version before 1.7.0), kept as it was otherwise.
 my @roles = qw(regress_app regress_lead regress_worker regress_monitor regress_other
   regress_helper);
 sql('postgres', join('', map { "CREATE ROLE $_; " } @roles)
 	  . "GRANT regress_lead TO $SQL_ADMIN");
-my $granted = "'idem_claim', 'idem_lookup', 'idem_finish', 'stats_key_counts'";
+my $granted = "'idem_claim', 'idem_lookup', 'idem_finish', 'stats_counters', 'stats_key_counts'";
+
+# Is version $x older than version $y (numbers separated by dots)?
+sub older_than
+{
+	my ($x, $y) = @_;
+	my @x = split /\./, $x;
+	my @y = split /\./, $y;
+	for my $i (0 .. 2)
+	{
+		my ($p, $q) = ($x[$i] // 0, $y[$i] // 0);
+		return $p < $q if $p != $q;
+	}
+	return 0;
+}
 
 # "name(arguments) owner acl" of the granted functions in $db.
 sub granted_acls
@@ -343,6 +416,8 @@ REVOKE EXECUTE ON FUNCTION idempotency.idem_lookup FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION idempotency.idem_lookup TO regress_app;
 REVOKE EXECUTE ON FUNCTION idempotency.stats_key_counts FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION idempotency.stats_key_counts TO regress_monitor;
+REVOKE EXECUTE ON FUNCTION idempotency.stats_counters FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION idempotency.stats_counters TO regress_monitor;
 GRANT EXECUTE ON FUNCTION idempotency.idem_finish TO regress_other WITH GRANT OPTION;
 SET ROLE regress_lead;
 GRANT EXECUTE ON FUNCTION idempotency.idem_claim TO regress_worker;
@@ -357,10 +432,12 @@ RESET ROLE;
 
 	install_newest($db);
 	install_newest($db);
-	(my $expect = $acls) =~ s/regress_helper=X\/regress_other/regress_helper=X\/$SQL_ADMIN/;
+	my $expect = $acls;
+	$expect =~ s/regress_helper=X\/regress_other/regress_helper=X\/$SQL_ADMIN/
+	  if older_than($v, '1.7.0');
 	is(granted_acls($db), $expect,
 		"$db: the functions keep their owner and privileges, by the same grantors "
-		  . "but regress_other's, which the owner granted again");
+		  . "but regress_other's where the owner granted it again");
 	is(may_execute($db), $may, "$db: the same roles may execute them");
 	like($may, qr/idem_claim:public=false.*idem_claim:regress_worker=true/,
 		"$db: PUBLIC may not execute idem_claim, regress_worker may");
@@ -369,8 +446,12 @@ RESET ROLE;
 			  . "AND (proname LIKE '\\_parked\\_%' OR proname LIKE '\\_update\\_%')"),
 		'0', "$db: no function of the older version, nor the update's helpers, is left");
 	is(sql($db,
-			"SET ROLE regress_worker; SELECT outcome FROM idempotency.idem_claim('w', remember => '1 hour')"),
-		'claimed', "$db: regress_worker claims a key, remembered");
+			"SET ROLE regress_worker; SELECT outcome FROM idempotency.idem_claim('w', '{\"w\": 1}', "
+			  . "remember => '1 hour', keep_request => true)"),
+		'claimed', "$db: regress_worker claims a key, remembered, its request kept");
+	is(sql($db,
+			"SET ROLE regress_worker; SELECT count(*) FROM idempotency.idem_claim_abandoned('w')"),
+		'0', "$db: and calls idem_claim_abandoned, which PUBLIC may execute");
 	is(sqlstate_of($node, $db,
 			"SET ROLE regress_monitor; SELECT * FROM idempotency.idem_claim('m')"),
 		'42501', "$db: a role without the grant may not");
