@@ -17,7 +17,10 @@
 # seconds, default 150: pg_cron before 1.5 runs jobs on minute boundaries
 # only) until cron.job_run_details records a successful run of it, and
 # then that the expired key is gone, the remembered one compacted (it
-# answers expired) and the stale one is reset (its next claim is attempt 2).  The C edition may be installed in that PostgreSQL:
+# answers expired) and the stale one is reset (its next claim is attempt 2).
+# A session that LISTENs on idempotency_abandoned from before the schedule
+# (as a completer does) receives the scope of the reset key, once, and
+# nothing for the scope of a key the run deleted.  The C edition may be installed in that PostgreSQL:
 # the plain installer needs no extension files, and the database never
 # creates the extension.
 #
@@ -86,16 +89,37 @@ SELECT idempotency.idem_finish('rem', c.token, 201, '{"r": 1}', 'cron', 'succeed
                                remember => '1 day')
   FROM idempotency.idem_claim('rem', '{"r": 1}', scope => 'cron', lease => '1 second',
                               retention => '1 second') c;
-SELECT outcome FROM idempotency.idem_claim('stale', scope => 'cron', lease => '1 second');
+SELECT outcome FROM idempotency.idem_claim('stale', scope => 'cron', lease => '1 second',
+                                          keep_request => true);
+SELECT idempotency.idem_finish('old', c.token, 200, NULL, 'cron-deleted', 'succeeded', '1 second')
+  FROM idempotency.idem_claim('old', scope => 'cron-deleted', lease => '1 second', retention => '1 second') c;
 DO $$
 BEGIN
 	WHILE clock_timestamp() <= (SELECT max(CASE WHEN status = 'pending' THEN lease_until ELSE expires_at END)
-								 FROM idempotency.keys WHERE scope = 'cron') LOOP
+								 FROM idempotency.keys WHERE scope IN ('cron', 'cron-deleted')) LOOP
 		PERFORM pg_sleep(0.05);
 	END LOOP;
 END $$;
 SQL
 check "before the sweep: the three keys stored" "3" "$(q -c "SELECT count(*) FROM idempotency.keys WHERE scope = 'cron'")"
+
+# A completer's session: it listens before the sweep is scheduled.  psql
+# prints the notifications that have arrived after each command it runs,
+# so the check below asks it to run one, again and again, until the one it
+# waits for is printed or the time is up (its output line-buffered, so
+# that each line is in the file once printed).
+listen_out=$work/listen.out
+coproc LISTENER {
+	stdbuf -oL "$PG_BIN/psql" -X -h "$(cluster_host "$work/cluster")" -p "$port" -U postgres \
+		-d "$db" -At -q >"$listen_out" 2>&1
+}
+echo "LISTEN idempotency_abandoned;" >&"${LISTENER[1]}"
+echo "SELECT 'listening';" >&"${LISTENER[1]}"
+deadline=$((SECONDS + 30))
+until grep -q '^listening$' "$listen_out" 2>/dev/null || ((SECONDS >= deadline)); do
+	sleep 0.1
+done
+check "a session listens on idempotency_abandoned" "1" "$(grep -c '^listening$' "$listen_out" || true)"
 
 # The documented schedule.
 job=$(q -c "SELECT cron.schedule('idempotency-sweep', '* * * * *', 'SELECT idempotency.idem_sweep()')")
@@ -123,6 +147,28 @@ check "the stale key is reset" "pending|t|1" \
 	"$(q -c "SELECT status, token IS NULL, attempt FROM idempotency.keys WHERE scope = 'cron' AND key = 'stale'")"
 check "its next claim is attempt 2" "claimed|2" \
 	"$(q -c "SELECT outcome, attempt FROM idempotency.idem_claim('stale', scope => 'cron')")"
+check "the key deleted in another scope is gone" "0" \
+	"$(q -c "SELECT count(*) FROM idempotency.keys WHERE scope = 'cron-deleted'")"
+
+# The run committed before cron.job_run_details said so: its notification
+# is queued for the listener, which prints it at its next command.
+notified='Asynchronous notification "idempotency_abandoned" with payload "cron" received'
+deadline=$((SECONDS + 30))
+until grep -qF "$notified" "$listen_out" || ((SECONDS >= deadline)); do
+	echo "SELECT 1;" >&"${LISTENER[1]}"
+	sleep 0.2
+done
+echo "SELECT 'done';" >&"${LISTENER[1]}"
+deadline=$((SECONDS + 30))
+until grep -q '^done$' "$listen_out" || ((SECONDS >= deadline)); do
+	sleep 0.1
+done
+check "the listener was notified once with the scope of the reset key" "1" \
+	"$(grep -cF "$notified" "$listen_out" || true)"
+check "and not for the scope of the deleted key" "0" \
+	"$(grep -c 'idempotency_abandoned" with payload "cron-deleted"' "$listen_out" || true)"
+exec {LISTENER[1]}>&-
+wait "$LISTENER_PID" 2>/dev/null || true
 
 q -c "SELECT cron.unschedule($job)" >/dev/null
 if ((fails)); then
