@@ -116,9 +116,11 @@ BEGIN
 	-- The candidates in order, each locked without waiting and judged again
 	-- on its newest committed version (SKIP LOCKED reads it, and its
 	-- conditions are checked once more there), until max_keys are locked:
-	-- the cursor of this loop runs the lateral lock only as far as it is
-	-- read.  The three kinds are disjoint: reset (token NULL), lease ended,
-	-- session ended under a running lease.
+	-- the query's LIMIT stops the nested loop at the max_keys-th row it
+	-- locked, so no key past them is locked (the limit is in the query
+	-- because the loop's cursor reads rows ahead of the loop).  The three
+	-- kinds are disjoint: reset (token NULL), lease ended, session ended
+	-- under a running lease.
 	FOR c IN
 		SELECT l.tid, l.key, l.attempt, l.request, l.phase, l.phase_data
 		  FROM (SELECT a.key, a.lease_until
@@ -167,6 +169,7 @@ BEGIN
 								 IS NOT DISTINCT FROM 'in progress'
 							ELSE false END
 			   FOR NO KEY UPDATE OF k SKIP LOCKED) l
+		 LIMIT max_keys
 	LOOP
 		tids := pg_catalog.array_append(tids, c.tid);
 		ks := pg_catalog.array_append(ks, c.key);
@@ -175,7 +178,6 @@ BEGIN
 		phases := pg_catalog.array_append(phases, c.phase);
 		datas := pg_catalog.array_append(datas, c.phase_data);
 		n := n OPERATOR(pg_catalog.+) 1;
-		EXIT WHEN n OPERATOR(pg_catalog.>=) max_keys;
 	END LOOP;
 	IF n OPERATOR(pg_catalog.=) 0 THEN
 		RETURN;
