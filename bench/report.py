@@ -680,6 +680,52 @@ if "r25_bytes" in extra or "r25r" in runs:
                 fx(ratio("r25r", "r25f")), per_round("r25r", "r25f")))
         w("")
 
+# row 26
+r26 = {}
+for k, v in extra.items():
+    m = re.match(r"r26_sweep\.(one|many)\.(\d+)$", k)
+    if m:
+        secs, swept, n, q0, q1 = v.split()
+        r26.setdefault(m.group(1), []).append((float(secs), int(swept), int(n), float(q1)))
+takes = [tuple(float(x) for x in v.split()) for k, v in extra.items() if re.match(r"r26_take\.\d+$", k)]
+if r26 or takes or "r26k" in runs:
+    w("## Row 26: completers")
+    w("")
+    if r26:
+        n = (r26.get("one") or r26.get("many"))[0][2]
+        w("The sweep (`idem_sweep` batches of `idempotency.sweep_batch`, each committed, until none is due) "
+          "resetting %d pending keys whose lease had ended, with a session listening on "
+          "`idempotency_abandoned` that reads nothing, %d rounds alternating the order: " % (n, len(r26.get("one", []))) +
+          "; ".join("%s: median %.2f s, **%.1f µs per key** (notification queue %.2f%% full after)" % (
+              {"one": "all in one scope (one notification per sweep transaction)",
+               "many": "each in a scope of its own (a notification per key)"}[v],
+              statistics.median(x[0] for x in r26[v]), 1e6 * statistics.median(x[0] / x[2] for x in r26[v]),
+              100 * statistics.median(x[3] for x in r26[v]))
+              for v in ("one", "many") if v in r26) + ".")
+        if "one" in r26 and "many" in r26:
+            w("")
+            w("One notification per key / one per sweep transaction: %.2fx the time." % (
+                statistics.median(x[0] for x in r26["many"]) / statistics.median(x[0] for x in r26["one"])))
+        w("")
+    if takes:
+        w("`idem_claim_abandoned(scope, 1000, '1 hour')`, each call committed, taking over the %d reset keys of one "
+          "scope: median %.2f s, **%.1f µs per key**." % (
+              int(takes[0][2]), statistics.median(t[0] for t in takes),
+              1e6 * statistics.median(t[0] / max(t[1], 1) for t in takes)))
+        w("")
+    if "r26k" in runs:
+        w("Row 1 (claim + finish, autocommit) with `keep_request => true` against without it, %s interleaved rounds:" %
+          len(ratios_list("r26k", "r26p")))
+        w("")
+        w("| claim | ops/s | mean ms | p99 ms |")
+        w("|---|---:|---:|---:|")
+        for lb, name in (("r26p", "without keep_request"), ("r26k", "keep_request")):
+            if lb in runs:
+                w("| %s | %s | %s | %s |" % (name, fmt(med(lb)), fmt(med(lb, "mean"), "%.2f"), fmt(med(lb, "p99"), "%.2f")))
+        w("")
+        w("keep_request / without: %s (per round: %s)." % (fx(ratio("r26k", "r26p")), per_round("r26k", "r26p")))
+        w("")
+
 # targets
 w("## Targets")
 w("")
