@@ -5,7 +5,8 @@
 # background worker, and nobody calling idem_sweep(), expires finished keys
 # past their retention (compacting a remembered one, which then answers
 # expired) and resets stale pending keys in every database that
-# has the extension: two databases created before the first sweep, one
+# has the extension (notifying idempotency_abandoned, which a session
+# listening there hears): two databases created before the first sweep, one
 # database created after start-up whose extension comes later still.  Keys
 # under a live lease or within their retention are left exactly as they
 # were.  Template databases and databases that refuse connections are not
@@ -25,6 +26,7 @@ use IdemTest;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use Time::HiRes qw(usleep);
 
 skip_sql_edition(
 	"the background worker sweeps here; the SQL edition has none (sweeping is idem_sweep() from the application or pg_cron)");
@@ -211,10 +213,17 @@ sub check_swept
 
 my %tok;
 my %before;
+my $listener;
 for my $db (qw(alpha beta))
 {
 	sql('postgres', "CREATE DATABASE $db");
 	sql($db, 'CREATE EXTENSION idempotency');
+	if ($db eq 'alpha')
+	{
+		# a completer's connection: it listens before any key is abandoned
+		$listener = $node->background_psql('alpha');
+		$listener->query_safe('LISTEN idempotency_abandoned');
+	}
 	$tok{$db} = populate($db);
 	$before{$db} = {
 		keep  => row_but_sweep_at($db, 'keep'),
@@ -227,6 +236,20 @@ for my $db (qw(alpha beta))
 {
 	check_swept($db, $tok{$db}, $before{$db});
 }
+
+# The worker's reset of "stale" (scope '') notified the listener in alpha.
+# The notification arrives once the worker's transaction has committed and
+# psql shows it after the next statement it runs: run one until it is there.
+my $heard = '';
+for (my $i = 0; $i < 10 * $PostgreSQL::Test::Utils::timeout_default; $i++)
+{
+	$heard .= $listener->query_safe('SELECT 1');
+	last if $heard =~ /Asynchronous notification "idempotency_abandoned"/;
+	usleep(100_000);
+}
+like($heard, qr/Asynchronous notification "idempotency_abandoned" received/,
+	'alpha: the worker that reset a key of scope \'\' notified idempotency_abandoned (empty payload)');
+$listener->quit;
 
 # --- A database created after start-up, its extension created later ---
 
