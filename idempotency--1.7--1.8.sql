@@ -16,8 +16,15 @@
 -- IF NOT EXISTS: where Citus distributes the table, the coordinator's update
 -- adds the column and index on every node before Citus runs this script there
 ALTER TABLE idempotency.keys ADD COLUMN IF NOT EXISTS request jsonb;
-CREATE INDEX IF NOT EXISTS keys_abandoned_idx ON idempotency.keys (scope, lease_until)
-	WHERE token IS NULL;
+-- Citus passes a CREATE INDEX on to the shards as the text it was given,
+-- which in an extension script is the whole script: EXECUTE gives it the
+-- statement alone
+DO $$
+BEGIN
+	EXECUTE 'CREATE INDEX IF NOT EXISTS keys_abandoned_idx '
+		 || 'ON idempotency.keys (scope, lease_until) WHERE token IS NULL';
+END
+$$;
 
 /*
  * A function's arguments and result columns cannot be changed in place:
