@@ -337,6 +337,26 @@ END;
 $$;
 
 /*
+ * Is the request a claim asks to keep larger than a response body may be?
+ * The one test idem_claim's first condition makes of it, as a call: a
+ * PL/pgSQL function, not an inlined SQL one, because PL/pgSQL builds that
+ * condition's expression anew in every transaction, and _response_limit
+ * inlined there cost every claim, keep_request or not, about a
+ * microsecond.  No SET clause: it runs only inside idem_claim, which pins
+ * search_path.
+ */
+CREATE OR REPLACE FUNCTION idempotency._request_too_large(request jsonb)
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+	RETURN request IS NOT NULL AND
+		pg_catalog.pg_column_size(request::text::jsonb) OPERATOR(pg_catalog.-) 4
+			OPERATOR(pg_catalog.>) idempotency._response_limit();
+END;
+$$;
+
+/*
  * Refuse a call that may write, before it reads anything: on a hot standby
  * and in a read-only transaction, with PostgreSQL's own messages.
  */

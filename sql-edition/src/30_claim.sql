@@ -431,9 +431,7 @@ BEGIN
 				(remember OPERATOR(pg_catalog.>) '0'::interval AND
 				 remember OPERATOR(pg_catalog.<=) '10000 years'::interval AND
 				 pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) remember OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()))) OR
-			(keep_request AND request IS NOT NULL AND
-			 pg_catalog.pg_column_size(request::text::jsonb) OPERATOR(pg_catalog.-) 4
-				OPERATOR(pg_catalog.>) idempotency._response_limit()) OR
+			(keep_request AND idempotency._request_too_large(request)) OR
 			pg_catalog.pg_is_in_recovery() OR pg_catalog.current_setting('transaction_read_only')::boolean OR
 			pg_catalog.to_regclass('idempotency.keys') IS NULL OR
 			pg_catalog.to_regclass('idempotency.scope_bindings') IS NULL) THEN
