@@ -33,7 +33,8 @@
  * the first entries of the indexes every scope shares only (as many as
  * the C edition reads), so that a sweep's backlog does not make every
  * call read it whole: once a sweep resets them, keys_abandoned_idx finds
- * them by scope.
+ * them by scope, the oldest first, a page at a time, so that a scope with
+ * many reset keys costs a call only the ones it reads.
  */
 CREATE OR REPLACE FUNCTION idempotency.idem_claim_abandoned(
 	scope		text		DEFAULT '',
@@ -52,6 +53,11 @@ DECLARE
 	now timestamptz;
 	lease_end timestamptz;
 	cap integer;
+	page integer;
+	cur refcursor;
+	seen integer;
+	last_lease timestamptz;
+	last_key text;
 	dead bigint[];
 	first bigint;
 	snap pg_snapshot;
@@ -97,6 +103,7 @@ BEGIN
 	now := pg_catalog.clock_timestamp();
 	lease_end := now OPERATOR(pg_catalog.+) COALESCE(lease, idempotency._lease_setting());
 	cap := GREATEST(max_keys OPERATOR(pg_catalog.*) 16, 1024);
+	page := max_keys OPERATOR(pg_catalog.*) 2 OPERATOR(pg_catalog.+) 8;
 	-- the ended sessions among the owners of the scope's session-bound keys
 	dead := ARRAY(SELECT s.o
 					FROM (SELECT DISTINCT b.owner_session AS o
@@ -113,71 +120,97 @@ BEGIN
 		snap := pg_catalog.pg_current_snapshot();
 	END IF;
 
-	-- The candidates in order, each locked without waiting and judged again
-	-- on its newest committed version (SKIP LOCKED reads it, and its
-	-- conditions are checked once more there), until max_keys are locked:
-	-- the query's LIMIT stops the nested loop at the max_keys-th row it
-	-- locked, so no key past them is locked (the limit is in the query
-	-- because the loop's cursor reads rows ahead of the loop).  The three
-	-- kinds are disjoint: reset (token NULL), lease ended, session ended
-	-- under a running lease.
-	FOR c IN
-		SELECT l.tid, l.key, l.attempt, l.request, l.phase, l.phase_data
-		  FROM (SELECT a.key, a.lease_until
-				  FROM (SELECT k.key, k.lease_until
-						  FROM idempotency.keys k
-						 WHERE k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
-						   AND k.token IS NULL
-						   AND k.status OPERATOR(pg_catalog.=) 'pending'
-						   AND k.expires_at OPERATOR(pg_catalog.>) now
-						UNION ALL
-						SELECT d.key, d.lease_until
-						  FROM (SELECT k.scope, k.key, k.status, k.token, k.lease_until, k.expires_at
-								  FROM idempotency.keys k
-								 WHERE k.sweep_at OPERATOR(pg_catalog.<=) now
-								 ORDER BY k.sweep_at
-								 LIMIT cap) d
-						 WHERE d.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
-						   AND d.token IS NOT NULL
-						   AND d.status OPERATOR(pg_catalog.=) 'pending'
-						   AND d.lease_until OPERATOR(pg_catalog.<=) now
-						   AND d.expires_at OPERATOR(pg_catalog.>) now
-						UNION ALL
-						SELECT k.key, k.lease_until
-						  FROM idempotency.keys k
-						 WHERE k.owner_session OPERATOR(pg_catalog.=) ANY (dead)
-						   AND k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
-						   AND k.token IS NOT NULL
-						   AND k.status OPERATOR(pg_catalog.=) 'pending'
-						   AND k.lease_until OPERATOR(pg_catalog.>) now
-						   AND k.expires_at OPERATOR(pg_catalog.>) now) a
-				 ORDER BY a.lease_until, a.key) a
-		 CROSS JOIN LATERAL (
-			SELECT k.ctid AS tid, k.key, k.attempt, k.request, k.phase, k.phase_data
-			  FROM idempotency.keys k
-			 WHERE k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
-			   AND k.key OPERATOR(pg_catalog.=) a.key
-			   AND k.status OPERATOR(pg_catalog.=) 'pending'
-			   AND k.expires_at OPERATOR(pg_catalog.>) now
-			   AND (k.token IS NULL OR k.lease_until OPERATOR(pg_catalog.<=) now OR
-					k.owner_session OPERATOR(pg_catalog.=) ANY (dead))
-			   AND k.attempt IS NOT NULL AND k.created_at IS NOT NULL
-			   AND k.retention IS NOT NULL AND k.sweep_at IS NOT NULL
-			   AND (k.fingerprint IS NULL OR pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.=) 32)
-			   AND NOT CASE WHEN k.token OPERATOR(pg_catalog.>=) first
-							THEN pg_catalog.pg_xact_status(idempotency._xid8(k.xmin, snap))
-								 IS NOT DISTINCT FROM 'in progress'
-							ELSE false END
-			   FOR NO KEY UPDATE OF k SKIP LOCKED) l
-		 LIMIT max_keys
+	-- The candidates in order, a page at a time (the next page starts after
+	-- the last candidate of the one before), each joined to its row locked
+	-- without waiting and judged again on its newest committed version
+	-- (SKIP LOCKED reads it, and its conditions are checked once more
+	-- there): a candidate another transaction holds, or no longer
+	-- abandoned, joins no row.  Each row is fetched alone, so that the join
+	-- locks no key past the max_keys-th (a loop over a query would read
+	-- rows ahead).  A page holds the oldest reset keys of the scope by
+	-- keys_abandoned_idx, as many as the page's size, and not every reset
+	-- key the scope has.  The three kinds are disjoint: reset (token NULL),
+	-- lease ended, session ended under a running lease.
 	LOOP
-		tids := pg_catalog.array_append(tids, c.tid);
-		ks := pg_catalog.array_append(ks, c.key);
-		attempts := pg_catalog.array_append(attempts, c.attempt OPERATOR(pg_catalog.+) 1);
-		requests := pg_catalog.array_append(requests, c.request);
-		phases := pg_catalog.array_append(phases, c.phase);
-		datas := pg_catalog.array_append(datas, c.phase_data);
-		n := n OPERATOR(pg_catalog.+) 1;
+		seen := 0;
+		OPEN cur FOR
+			SELECT a.key AS cand, a.lease_until AS cand_lease, l.tid, l.key, l.attempt,
+				   l.request, l.phase, l.phase_data
+			  FROM (SELECT b.key, b.lease_until
+					  FROM ((SELECT k.key, k.lease_until
+							   FROM idempotency.keys k
+							  WHERE k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
+								AND k.token IS NULL
+								AND k.lease_until OPERATOR(pg_catalog.>=) COALESCE(last_lease, '-infinity')
+								AND (last_key IS NULL OR
+									 (k.lease_until, k.key) OPERATOR(pg_catalog.>) (last_lease, last_key))
+								AND k.status OPERATOR(pg_catalog.=) 'pending'
+								AND k.expires_at OPERATOR(pg_catalog.>) now
+							  ORDER BY k.lease_until, k.key
+							  LIMIT page)
+							UNION ALL
+							SELECT d.key, d.lease_until
+							  FROM (SELECT k.scope, k.key, k.status, k.token, k.lease_until, k.expires_at
+									  FROM idempotency.keys k
+									 WHERE k.sweep_at OPERATOR(pg_catalog.<=) now
+									 ORDER BY k.sweep_at
+									 LIMIT cap) d
+							 WHERE d.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
+							   AND d.token IS NOT NULL
+							   AND d.status OPERATOR(pg_catalog.=) 'pending'
+							   AND d.lease_until OPERATOR(pg_catalog.<=) now
+							   AND d.expires_at OPERATOR(pg_catalog.>) now
+							   AND (last_key IS NULL OR
+									(d.lease_until, d.key) OPERATOR(pg_catalog.>) (last_lease, last_key))
+							UNION ALL
+							SELECT k.key, k.lease_until
+							  FROM idempotency.keys k
+							 WHERE k.owner_session OPERATOR(pg_catalog.=) ANY (dead)
+							   AND k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
+							   AND k.token IS NOT NULL
+							   AND k.status OPERATOR(pg_catalog.=) 'pending'
+							   AND k.lease_until OPERATOR(pg_catalog.>) now
+							   AND k.expires_at OPERATOR(pg_catalog.>) now
+							   AND (last_key IS NULL OR
+									(k.lease_until, k.key) OPERATOR(pg_catalog.>) (last_lease, last_key))) b
+					 ORDER BY b.lease_until, b.key
+					 LIMIT page) a
+			  LEFT JOIN LATERAL (
+				SELECT k.ctid AS tid, k.key, k.attempt, k.request, k.phase, k.phase_data
+				  FROM idempotency.keys k
+				 WHERE k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
+				   AND k.key OPERATOR(pg_catalog.=) a.key
+				   AND k.status OPERATOR(pg_catalog.=) 'pending'
+				   AND k.expires_at OPERATOR(pg_catalog.>) now
+				   AND (k.token IS NULL OR k.lease_until OPERATOR(pg_catalog.<=) now OR
+						k.owner_session OPERATOR(pg_catalog.=) ANY (dead))
+				   AND k.attempt IS NOT NULL AND k.created_at IS NOT NULL
+				   AND k.retention IS NOT NULL AND k.sweep_at IS NOT NULL
+				   AND (k.fingerprint IS NULL OR pg_catalog.octet_length(k.fingerprint) OPERATOR(pg_catalog.=) 32)
+				   AND NOT CASE WHEN k.token OPERATOR(pg_catalog.>=) first
+								THEN pg_catalog.pg_xact_status(idempotency._xid8(k.xmin, snap))
+									 IS NOT DISTINCT FROM 'in progress'
+								ELSE false END
+				   FOR NO KEY UPDATE OF k SKIP LOCKED) l ON true
+			 ORDER BY a.lease_until, a.key;
+		LOOP
+			EXIT WHEN n OPERATOR(pg_catalog.>=) max_keys;
+			FETCH cur INTO c;
+			EXIT WHEN NOT FOUND;
+			seen := seen OPERATOR(pg_catalog.+) 1;
+			last_lease := c.cand_lease;
+			last_key := c.cand;
+			CONTINUE WHEN c.tid IS NULL;
+			tids := pg_catalog.array_append(tids, c.tid);
+			ks := pg_catalog.array_append(ks, c.key);
+			attempts := pg_catalog.array_append(attempts, c.attempt OPERATOR(pg_catalog.+) 1);
+			requests := pg_catalog.array_append(requests, c.request);
+			phases := pg_catalog.array_append(phases, c.phase);
+			datas := pg_catalog.array_append(datas, c.phase_data);
+			n := n OPERATOR(pg_catalog.+) 1;
+		END LOOP;
+		CLOSE cur;
+		EXIT WHEN n OPERATOR(pg_catalog.>=) max_keys OR seen OPERATOR(pg_catalog.<) page;
 	END LOOP;
 	IF n OPERATOR(pg_catalog.=) 0 THEN
 		RETURN;
