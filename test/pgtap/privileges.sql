@@ -1,12 +1,12 @@
 -- privileges.sql (pgTAP): application roles use the functions and nothing
 -- else.  The schema's USAGE is the DBA's grant; the client functions are
--- EXECUTE for PUBLIC; idem_sweep, idem_forget and distribute are not; the stats and
--- cluster_stats views are readable by PUBLIC; the table and the sequence
--- are nobody's but the owner's.
+-- EXECUTE for PUBLIC (idem_claim_abandoned too); idem_sweep, idem_forget
+-- and distribute are not; the stats and cluster_stats views are readable
+-- by PUBLIC; the table and the sequence are nobody's but the owner's.
 \set ON_ERROR_STOP 1
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
-SELECT plan(88);
+SELECT plan(92);
 
 CREATE ROLE regress_idem_app NOLOGIN;
 CREATE ROLE regress_idem_nousage NOLOGIN;
@@ -21,8 +21,10 @@ SELECT ok(NOT has_schema_privilege('regress_idem_nousage', 'idempotency', 'USAGE
           'a role without the grant has no USAGE');
 SELECT ok(NOT has_schema_privilege('regress_idem_app', 'idempotency', 'CREATE'),
           'the app role cannot create objects in schema idempotency');
-SELECT ok(has_function_privilege('public', 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval)', 'EXECUTE'),
+SELECT ok(has_function_privilege('public', 'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval,boolean)', 'EXECUTE'),
           'PUBLIC may execute idem_claim');
+SELECT ok(has_function_privilege('public', 'idempotency.idem_claim_abandoned(text,integer,interval)', 'EXECUTE'),
+          'PUBLIC may execute idem_claim_abandoned');
 SELECT ok(has_function_privilege('public', 'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval,interval)', 'EXECUTE'),
           'PUBLIC may execute idem_finish');
 SELECT ok(has_function_privilege('public', 'idempotency.idem_extend(text,bigint,interval,text)', 'EXECUTE'),
@@ -115,6 +117,11 @@ SELECT throws_ok($$SELECT idempotency.idem_finish('p2', (SELECT token FROM tok W
                  'P0002', NULL, 'the app role gets the regular errors (absent key)');
 SELECT throws_ok($$SELECT idempotency.idem_claim('', scope => 'pgtap-priv')$$,
                  '22023', NULL, 'and bad input errors');
+SELECT is((SELECT outcome FROM idempotency.idem_claim('p3', '{"a": 3}', 'pgtap-priv', lease => '1 hour',
+                                                      keep_request => true)),
+          'claimed', 'the app role claims a key keeping its request');
+SELECT is((SELECT count(*)::int FROM idempotency.idem_claim_abandoned('pgtap-priv', 10)), 0,
+          'the app role calls idem_claim_abandoned: no key of the scope is abandoned');
 SELECT is(current_user::text, 'regress_idem_app', 'the functions gave the caller its identity back');
 
 -- no direct access to the table
@@ -167,7 +174,7 @@ RESET ROLE;
 -- the rows the app role made are real and owned by nobody but the table
 SELECT results_eq($$SELECT key COLLATE "default", status COLLATE "default" FROM idempotency.keys
                      WHERE scope = 'pgtap-priv' ORDER BY key$$,
-                  $$VALUES ('p1'::text, 'succeeded'::text)$$,
+                  $$VALUES ('p1'::text, 'succeeded'::text), ('p3'::text, 'pending'::text)$$,
                   'the app role''s calls changed the real table');
 SELECT ok(NOT EXISTS (SELECT 1 FROM idempotency.keys WHERE key = 'forged'), 'nothing forged');
 
@@ -200,6 +207,8 @@ SELECT throws_ok($$SELECT * FROM idempotency.idem_claim_many(ARRAY['n1'], scope 
                  '42501', NULL, 'no USAGE: idem_claim_many refused');
 SELECT throws_ok($$SELECT * FROM idempotency.idem_finish_many(ARRAY['p1'], ARRAY[1::bigint], scope => 'pgtap-priv')$$,
                  '42501', NULL, 'no USAGE: idem_finish_many refused');
+SELECT throws_ok($$SELECT * FROM idempotency.idem_claim_abandoned('pgtap-priv')$$,
+                 '42501', NULL, 'no USAGE: idem_claim_abandoned refused');
 SELECT throws_ok('SELECT * FROM idempotency.idem_sweep()',
                  '42501', NULL, 'no USAGE: idem_sweep refused');
 SELECT throws_ok('SELECT * FROM idempotency.keys',

@@ -5,14 +5,14 @@
 BEGIN;
 CREATE EXTENSION IF NOT EXISTS pgtap;
 SET LOCAL intervalstyle = 'postgres';
-SELECT plan(199);
+SELECT plan(209);
 
 -- the extension
 SELECT has_extension('idempotency', 'idempotency', 'extension idempotency lives in schema idempotency');
 SELECT is((SELECT extrelocatable FROM pg_extension WHERE extname = 'idempotency'), false,
           'the extension is not relocatable');
-SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.7',
-          'extension version 1.7');
+SELECT is((SELECT extversion FROM pg_extension WHERE extname = 'idempotency'), '1.8',
+          'extension version 1.8');
 SELECT has_schema('idempotency');
 
 -- the table
@@ -22,7 +22,7 @@ SELECT is((SELECT relpersistence::text FROM pg_class WHERE oid = 'idempotency.ke
 SELECT columns_are('idempotency', 'keys', ARRAY[
     'scope', 'key', 'status', 'token', 'attempt', 'fingerprint', 'response_code',
     'response_body', 'created_at', 'finished_at', 'lease_until', 'expires_at',
-    'retention', 'sweep_at', 'phase', 'phase_data', 'owner_session', 'remember']);
+    'retention', 'sweep_at', 'phase', 'phase_data', 'owner_session', 'remember', 'request']);
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'scope'::name, 'text'::text, 'keys.scope is text');
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'key'::name, 'text'::text, 'keys.key is text');
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'status'::name, 'text'::text, 'keys.status is text');
@@ -44,6 +44,8 @@ SELECT col_is_null('idempotency'::name, 'keys'::name, 'phase'::name, 'keys.phase
 SELECT col_is_null('idempotency'::name, 'keys'::name, 'owner_session'::name, 'keys.owner_session is nullable (not session-bound)');
 SELECT col_type_is('idempotency'::name, 'keys'::name, 'remember'::name, 'interval'::text, 'keys.remember is interval');
 SELECT col_is_null('idempotency'::name, 'keys'::name, 'remember'::name, 'keys.remember is nullable (not remembered)');
+SELECT col_type_is('idempotency'::name, 'keys'::name, 'request'::name, 'jsonb'::text, 'keys.request is jsonb');
+SELECT col_is_null('idempotency'::name, 'keys'::name, 'request'::name, 'keys.request is nullable (no request kept)');
 SELECT is((SELECT c.collname::text FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
             WHERE a.attrelid = 'idempotency.keys'::regclass AND a.attname = 'scope'),
           'C', 'scope compares byte for byte (COLLATE "C")');
@@ -70,6 +72,10 @@ SELECT is((SELECT indexdef FROM pg_indexes
             WHERE schemaname = 'idempotency' AND indexname = 'keys_owner_session_idx'),
           'CREATE INDEX keys_owner_session_idx ON idempotency.keys USING btree (owner_session) WHERE (owner_session IS NOT NULL)',
           'keys_owner_session_idx indexes only the keys bound to a session');
+SELECT is((SELECT indexdef FROM pg_indexes
+            WHERE schemaname = 'idempotency' AND indexname = 'keys_abandoned_idx'),
+          'CREATE INDEX keys_abandoned_idx ON idempotency.keys USING btree (scope, lease_until) WHERE (token IS NULL)',
+          'keys_abandoned_idx indexes only the keys a sweep reset, by scope and lease');
 SELECT is((SELECT count(*)::int FROM pg_trigger WHERE tgrelid = 'idempotency.keys'::regclass), 0,
           'no triggers on keys');
 
@@ -111,7 +117,7 @@ SELECT is((SELECT count(*)::int FROM pg_depend
 
 -- the functions: exact argument lists (names, types, defaults)
 SELECT has_function('idempotency', 'idem_claim',
-                    ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval']);
+                    ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval', 'boolean']);
 SELECT has_function('idempotency', 'idem_finish',
                     ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval', 'interval']);
 SELECT has_function('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
@@ -125,11 +131,12 @@ SELECT has_function('idempotency', 'idem_claim_many',
 SELECT has_function('idempotency', 'idem_finish_many',
                     ARRAY['text[]', 'bigint[]', 'integer[]', 'jsonb[]', 'text', 'text', 'interval', 'interval']);
 SELECT has_function('idempotency', 'idem_forget', ARRAY['text', 'text']);
+SELECT has_function('idempotency', 'idem_claim_abandoned', ARRAY['text', 'integer', 'interval']);
 SELECT is((SELECT count(*)::int FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'), 11,
+            WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'), 12,
           'one function of each name: no overloads');
-SELECT is(pg_get_function_arguments('idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval)'::regprocedure),
-          'key text, request jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, lease interval DEFAULT NULL::interval, retention interval DEFAULT NULL::interval, wait interval DEFAULT ''00:00:00''::interval, session_bound boolean DEFAULT false, remember interval DEFAULT NULL::interval',
+SELECT is(pg_get_function_arguments('idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval,boolean)'::regprocedure),
+          'key text, request jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, lease interval DEFAULT NULL::interval, retention interval DEFAULT NULL::interval, wait interval DEFAULT ''00:00:00''::interval, session_bound boolean DEFAULT false, remember interval DEFAULT NULL::interval, keep_request boolean DEFAULT false',
           'idem_claim arguments and defaults');
 SELECT is(pg_get_function_arguments('idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval,interval)'::regprocedure),
           'key text, token bigint, response_code integer DEFAULT NULL::integer, response_body jsonb DEFAULT NULL::jsonb, scope text DEFAULT ''''::text, status text DEFAULT ''succeeded''::text, retention interval DEFAULT NULL::interval, remember interval DEFAULT NULL::interval',
@@ -158,12 +165,15 @@ SELECT is(pg_get_function_arguments('idempotency.idem_finish_many(text[],bigint[
 SELECT is(pg_get_function_arguments('idempotency.idem_forget(text,text)'::regprocedure),
           'key text, scope text DEFAULT ''''::text',
           'idem_forget arguments and defaults');
+SELECT is(pg_get_function_arguments('idempotency.idem_claim_abandoned(text,integer,interval)'::regprocedure),
+          'scope text DEFAULT ''''::text, max_keys integer DEFAULT 1, lease interval DEFAULT NULL::interval',
+          'idem_claim_abandoned arguments and defaults');
 SELECT function_returns('idempotency', 'idem_forget', ARRAY['text', 'text'], 'boolean');
 SELECT volatility_is('idempotency', 'idem_forget', ARRAY['text', 'text'], 'volatile');
 SELECT isnt_definer('idempotency', 'idem_forget', ARRAY['text', 'text']);
 
 -- return types
-SELECT is(pg_get_function_result('idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval)'::regprocedure),
+SELECT is(pg_get_function_result('idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval,boolean)'::regprocedure),
           'SETOF idempotency.claim_result',
           'idem_claim returns its outcome row, of type claim_result');
 SELECT function_returns('idempotency', 'idem_finish',
@@ -186,6 +196,13 @@ SELECT is(pg_get_function_result('idempotency.idem_claim_many(text[],jsonb[],tex
 SELECT is(pg_get_function_result('idempotency.idem_finish_many(text[],bigint[],integer[],jsonb[],text,text,interval,interval)'::regprocedure),
           'TABLE(ord integer, key text, expires_at timestamp with time zone)',
           'idem_finish_many returns one numbered expiry per key');
+SELECT is(pg_get_function_result('idempotency.idem_claim_abandoned(text,integer,interval)'::regprocedure),
+          'TABLE(key text, token bigint, attempt integer, request jsonb, phase text, phase_data jsonb)',
+          'idem_claim_abandoned returns one row per key taken over');
+SELECT function_lang_is('idempotency', 'idem_claim_abandoned', ARRAY['text', 'integer', 'interval'], 'c');
+SELECT isnt_definer('idempotency', 'idem_claim_abandoned', ARRAY['text', 'integer', 'interval']);
+SELECT isnt_strict('idempotency', 'idem_claim_abandoned', ARRAY['text', 'integer', 'interval']);
+SELECT volatility_is('idempotency', 'idem_claim_abandoned', ARRAY['text', 'integer', 'interval'], 'volatile');
 SELECT function_lang_is('idempotency', 'idem_checkpoint', ARRAY['text', 'bigint', 'text', 'jsonb', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_claim_many', ARRAY['text[]', 'jsonb[]', 'text', 'interval', 'interval', 'boolean'], 'c');
 SELECT function_lang_is('idempotency', 'idem_finish_many', ARRAY['text[]', 'bigint[]', 'integer[]', 'jsonb[]', 'text', 'text', 'interval', 'interval'], 'c');
@@ -201,27 +218,27 @@ SELECT volatility_is('idempotency', 'idem_finish_many', ARRAY['text[]', 'bigint[
 
 -- properties: C, not SECURITY DEFINER, not STRICT (NULL arguments raise
 -- 22004 rather than silently returning nothing), volatility, parallel
-SELECT function_lang_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval'], 'c');
+SELECT function_lang_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval', 'boolean'], 'c');
 SELECT function_lang_is('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval', 'interval'], 'c');
 SELECT function_lang_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_lookup', ARRAY['text', 'text'], 'c');
 SELECT function_lang_is('idempotency', 'idem_sweep', ARRAY['integer'], 'c');
 SELECT function_lang_is('idempotency', 'idem_version', ARRAY[]::name[], 'c');
-SELECT isnt_definer('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval']);
+SELECT isnt_definer('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval', 'boolean']);
 SELECT isnt_definer('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval', 'interval']);
 SELECT isnt_definer('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
 SELECT isnt_definer('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
 SELECT isnt_definer('idempotency', 'idem_lookup', ARRAY['text', 'text']);
 SELECT isnt_definer('idempotency', 'idem_sweep', ARRAY['integer']);
 SELECT isnt_definer('idempotency', 'idem_version', ARRAY[]::name[]);
-SELECT isnt_strict('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval']);
+SELECT isnt_strict('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval', 'boolean']);
 SELECT isnt_strict('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval', 'interval']);
 SELECT isnt_strict('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text']);
 SELECT isnt_strict('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text']);
 SELECT isnt_strict('idempotency', 'idem_lookup', ARRAY['text', 'text']);
 SELECT isnt_strict('idempotency', 'idem_sweep', ARRAY['integer']);
-SELECT volatility_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval'], 'volatile');
+SELECT volatility_is('idempotency', 'idem_claim', ARRAY['text', 'jsonb', 'text', 'interval', 'interval', 'interval', 'boolean', 'interval', 'boolean'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_finish', ARRAY['text', 'bigint', 'integer', 'jsonb', 'text', 'text', 'interval', 'interval'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_extend', ARRAY['text', 'bigint', 'interval', 'text'], 'volatile');
 SELECT volatility_is('idempotency', 'idem_release', ARRAY['text', 'bigint', 'text'], 'volatile');
@@ -231,21 +248,22 @@ SELECT volatility_is('idempotency', 'idem_version', ARRAY[]::name[], 'stable');
 SELECT is((SELECT array_agg(p.proname::text || ':' || p.proparallel::text ORDER BY p.proname)
              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
-          ARRAY['idem_checkpoint:u', 'idem_claim:u', 'idem_claim_many:u', 'idem_extend:u',
+          ARRAY['idem_checkpoint:u', 'idem_claim:u', 'idem_claim_abandoned:u', 'idem_claim_many:u', 'idem_extend:u',
                 'idem_finish:u', 'idem_finish_many:u', 'idem_forget:u', 'idem_lookup:r',
                 'idem_release:u', 'idem_sweep:u', 'idem_version:s'],
           'writers are PARALLEL UNSAFE, lookup PARALLEL RESTRICTED, idem_version PARALLEL SAFE');
 SELECT is((SELECT array_agg(p.proname::text ORDER BY p.proname)
              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%' AND p.proretset),
-          ARRAY['idem_claim', 'idem_claim_many', 'idem_finish_many', 'idem_lookup', 'idem_sweep'],
-          'claim, the batches, lookup and sweep return rows');
+          ARRAY['idem_claim', 'idem_claim_abandoned', 'idem_claim_many', 'idem_finish_many', 'idem_lookup',
+                'idem_sweep'],
+          'claim, the completers'' claim, the batches, lookup and sweep return rows');
 SELECT is((SELECT array_agg(DISTINCT p.probin) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
           ARRAY['$libdir/idempotency'], 'all functions live in $libdir/idempotency');
 SELECT is((SELECT array_agg(p.prosrc ORDER BY p.prosrc) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
             WHERE n.nspname = 'idempotency' AND p.proname LIKE 'idem\_%'),
-          ARRAY['idem_checkpoint', 'idem_claim', 'idem_claim_many', 'idem_extend', 'idem_finish',
+          ARRAY['idem_checkpoint', 'idem_claim', 'idem_claim_abandoned', 'idem_claim_many', 'idem_extend', 'idem_finish',
                 'idem_finish_many', 'idem_forget', 'idem_lookup', 'idem_release', 'idem_sweep',
                 'idem_version'],
           'each function has the C symbol of its name');
@@ -255,7 +273,8 @@ SELECT has_view('idempotency', 'stats', 'view idempotency.stats exists');
 SELECT columns_are('idempotency', 'stats', ARRAY[
     'database', 'claims', 'takeovers', 'replays', 'in_progress', 'mismatches', 'finishes',
     'releases', 'expired', 'reset', 'last_sweep_at', 'last_sweep_ms',
-    'pending', 'succeeded', 'failed', 'key_counts_exact', 'checkpoints', 'remembered']);
+    'pending', 'succeeded', 'failed', 'key_counts_exact', 'checkpoints', 'remembered',
+    'abandoned_takeovers']);
 SELECT col_type_is('idempotency'::name, 'stats'::name, 'key_counts_exact'::name, 'boolean'::text,
                    'stats.key_counts_exact is boolean');
 SELECT has_function('idempotency', 'stats_key_counts', ARRAY[]::name[]);
@@ -297,7 +316,7 @@ SELECT isnt_definer('idempotency', 'distribute', ARRAY['integer']);
 SELECT isnt_strict('idempotency', 'distribute', ARRAY['integer']);
 SELECT has_function('idempotency', 'cluster_stats_rows', ARRAY[]::name[]);
 SELECT is(pg_get_function_result('idempotency.cluster_stats_rows()'::regprocedure),
-          'TABLE(node text, database name, claims bigint, takeovers bigint, replays bigint, in_progress bigint, mismatches bigint, finishes bigint, releases bigint, expired bigint, reset bigint, last_sweep_at timestamp with time zone, last_sweep_ms double precision, pending bigint, succeeded bigint, failed bigint, key_counts_exact boolean, checkpoints bigint, remembered bigint)',
+          'TABLE(node text, database name, claims bigint, takeovers bigint, replays bigint, in_progress bigint, mismatches bigint, finishes bigint, releases bigint, expired bigint, reset bigint, last_sweep_at timestamp with time zone, last_sweep_ms double precision, pending bigint, succeeded bigint, failed bigint, key_counts_exact boolean, checkpoints bigint, remembered bigint, abandoned_takeovers bigint)',
           'cluster_stats_rows returns one row per node: the node, then the stats columns');
 SELECT function_lang_is('idempotency', 'cluster_stats_rows', ARRAY[]::name[], 'plpgsql');
 SELECT volatility_is('idempotency', 'cluster_stats_rows', ARRAY[]::name[], 'stable');
@@ -332,7 +351,8 @@ SELECT set_eq($$SELECT p.oid::regprocedure::text FROM pg_depend d JOIN pg_proc p
                     'idempotency.cluster_stats_rows()',
                     'idempotency.distribute(integer)',
                     'idempotency.idem_checkpoint(text,bigint,text,jsonb,text)',
-                    'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval)',
+                    'idempotency.idem_claim(text,jsonb,text,interval,interval,interval,boolean,interval,boolean)',
+                    'idempotency.idem_claim_abandoned(text,integer,interval)',
                     'idempotency.idem_claim_many(text[],jsonb[],text,interval,interval,boolean)',
                     'idempotency.idem_extend(text,bigint,interval,text)',
                     'idempotency.idem_finish(text,bigint,integer,jsonb,text,text,interval,interval)',
@@ -385,7 +405,7 @@ SELECT throws_ok('SELECT idempotency.distribute()', '55000',
 SELECT results_eq($$SELECT node, database FROM idempotency.cluster_stats$$,
                   $$VALUES ('local'::text, current_database())$$,
                   'cluster_stats without Citus: one row, node local, this database');
-SELECT is(idempotency.idem_version(), '1.7.0', 'idem_version() names the loaded library, 1.7.0');
+SELECT is(idempotency.idem_version(), '1.8.0', 'idem_version() names the loaded library, 1.8.0');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
