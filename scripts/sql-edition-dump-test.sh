@@ -8,8 +8,8 @@
 #
 # Starts one throwaway cluster of each (ports IDEM_SQLED_PORT and the next,
 # default 55543 and 55544), fills a C edition database with a finished key,
-# a pending key with a checkpoint, a scope binding and a token sequence
-# position, and checks, printing one "ok"/"not ok" line per check:
+# a pending key with a checkpoint and its request kept, a scope binding and
+# a token sequence position, and checks, printing one "ok"/"not ok" line per check:
 #   1. C -> SQL edition under pg_tle: the whole dump (its CREATE EXTENSION
 #      creates the SQL edition);
 #   2. C -> SQL edition, plain installer: a data-only dump of the schema;
@@ -17,8 +17,8 @@
 #   4. SQL edition (plain) -> C: a data-only dump of the schema.
 # In each target the stored rows are byte for byte those of the source, the
 # finished key replays, a different request is a mismatch (the
-# fingerprints are the same), the pending key's old token still finishes
-# it, and a new claim's token is above every restored one.
+# fingerprints are the same), the pending key's request is kept, its old
+# token still finishes it, and a new claim's token is above every restored one.
 #
 # Exit status: 0 all passed; 1 a check failed; 2 usage or setup failure.
 set -euo pipefail
@@ -70,6 +70,7 @@ check() {	# check NAME PSQL-FUNCTION DB: the keys work in DB as in the source
 		SELECT outcome || '/' || status || '/' || response_code
 		  FROM idempotency.idem_claim('done', '{\"n\": 1}', 'dump');" -c "
 		SELECT outcome FROM idempotency.idem_claim('done', '{\"n\": 2}', 'dump');" -c "
+		SELECT request FROM idempotency.keys WHERE scope = 'dump' AND key = 'open';" -c "
 		SELECT idempotency.idem_finish('open', (SELECT token FROM idempotency.keys
 			WHERE scope = 'dump' AND key = 'open'), 200, NULL, 'dump') IS NOT NULL;" -c "
 		SELECT token > (SELECT max(token) FROM idempotency.keys WHERE scope = 'dump')
@@ -93,11 +94,13 @@ c_psql -d src -c "CREATE EXTENSION idempotency" -c "
 	SELECT idempotency.idem_finish('done', c.token, 201, '{\"ok\": true}', 'dump')
 	  FROM idempotency.idem_claim('done', '{\"n\": 1}', 'dump') c;
 	SELECT idempotency.idem_checkpoint('open', c.token, 'charged', '{\"id\": 7}', 'dump')
-	  FROM idempotency.idem_claim('open', '{\"n\": 3}', 'dump', lease => '1 hour') c;" >/dev/null
+	  FROM idempotency.idem_claim('open', '{\"n\": 3}', 'dump', lease => '1 hour',
+								  keep_request => true) c;" >/dev/null
 sum=$(c_psql -d src -At -c "SELECT md5(string_agg(k::text, '|' ORDER BY k.scope, k.key)) FROM idempotency.keys k")
 expected="$sum
 replay/succeeded/201
 mismatch
+{\"n\": 3}
 t
 t
 1"
