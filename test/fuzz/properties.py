@@ -4,10 +4,13 @@
 Several worker processes, each with connections of its own, draw calls of
 every SQL function of the extension with Hypothesis (idem_claim, idem_finish,
 idem_extend, idem_release, idem_checkpoint, idem_claim_many,
-idem_finish_many, idem_lookup, idem_forget, idem_sweep, idem_version,
-stats_reset, bind_scope, unbind_scope, distribute, the stats and
-cluster_stats views), remember among the intervals of the claim and the two
-finishes:
+idem_finish_many, idem_claim_abandoned, idem_lookup, idem_forget,
+idem_sweep, idem_version, stats_reset, bind_scope, unbind_scope,
+distribute, the stats and cluster_stats views), remember among the
+intervals of the claim and the two finishes, keep_request (true, false,
+NULL or left out) among the claim's arguments, with requests of every size
+up to past idempotency.max_response_size, and idem_claim_abandoned's
+max_keys among NULL, 0, -1, 1, 2, 10, 10000, 10001 and 2^31-1:
 NULLs, empty and 254..256-character keys, odd Unicode (combining marks,
 right-to-left marks, emoji, U+FFFF, U+10FFFF), NUL and invalid UTF-8 sent as
 bytes, zero, negative, sub-microsecond, over-10,000-year and infinite
@@ -16,7 +19,11 @@ lengths or of two dimensions, the keys' real and stale tokens next to random
 and extreme ones (0, -1, 2^63-1, -2^63), keys in every state (remembered
 ones too: finished with remember, then aged past their retention by the
 superuser, compacted by a sweep or not yet, or past their remember as
-well).  Half of the workers' sessions set idempotency.remember, so that
+well; abandoned ones: claimed with keep_request and a request and
+checkpointed, then their lease ended (moved into the past by the
+superuser), and reset by a sweep or not yet, so that idem_claim_abandoned
+finds keys to take in the worker's own scope besides those whose lease or
+session ended).  Half of the workers' sessions set idempotency.remember, so that
 claims without the argument and idem_claim_many remember their keys too.
 idem_forget is also called as fuzz_plain, a role without the grant.  Each call runs
 in one of: autocommit, an explicit transaction (committed or rolled back), a
@@ -33,7 +40,9 @@ Properties:
      other worker touches it; the background worker may, and what it may do
      is told apart: delete a key past its retention, reset a pending one's
      token, compact a remembered key (its response and recovery point go,
-     the rest stays), move sweep_at);
+     the rest stays), move sweep_at); idem_claim_abandoned names every key
+     of its scope, and one that succeeded changed none but those it
+     returned;
   P4 in a READ ONLY transaction every function that writes fails, with
      25006 unless its arguments are bad (they are checked first);
   P5 (--amcheck) idempotency.keys and its indexes pass amcheck;
@@ -45,7 +54,21 @@ Properties:
      response and phase; idem_forget answers true or false, true only for
      a key finished before the call and absent after it, false never for a
      key that was live or remembered all through the call, 55000 only for
-     a pending one; fuzz_plain is always refused;
+     a pending one; fuzz_plain is always refused; idem_claim raises 54000
+     only with keep_request true and a request over
+     idempotency.max_response_size, and always then (unless another error
+     comes first); after a claimed answer the key keeps the request sent
+     (a fresh claim, or a takeover with keep_request: none without it) or
+     the one it kept (a takeover without keep_request), and after
+     idem_finish or idem_finish_many none; idem_claim_abandoned returns at
+     most max_keys rows, of distinct keys, in non-decreasing order of their
+     lease's end, each of a key abandoned before the call (pending, within
+     its retention, reset or past its lease, or bound to a session that
+     ended), as a takeover: attempt + 1, a token larger than the key's
+     earlier ones, the request it kept and its recovery point, and after
+     the call the key is pending under that token, bound to no session,
+     with a lease of the one asked for and its request and recovery point
+     unchanged;
   P7 a remember that is negative or longer than 10000 years is refused.
 
 Each worker records a failure and goes on instead of raising: the table
@@ -53,12 +76,13 @@ moves under the test, so a shrunk example would not replay the same state.
 The time budget (--minutes) decides how long it runs; the summary counts
 calls and errors per function, properties checked and failures, and the exit
 status is 1 on any failure.  Connects as fuzz_app / fuzz_tenant and
-fuzz_plain (made by test/fuzz/setup.sql) and as postgres to read the table
-and to age the remembered keys.
+fuzz_plain (made by test/fuzz/setup.sql) and as postgres to read the table,
+to age the remembered and abandoned keys and to sweep them.
 """
 
 import argparse
 import collections
+import hashlib
 import json
 import multiprocessing
 import os
@@ -82,9 +106,12 @@ from hypothesis import seed as hypothesis_seed  # noqa: E402
 # --------------------------------------------------------------------------
 BAD_ARGS = {"22004", "22023", "22001"}
 TOKEN_STATES = {"P0002", "55000", "55006", "55P03"}
+# idem_claim's 54000 is allowed only for a request kept over the limit
+# (check_error)
 ALLOWED = {
     "idem_claim": BAD_ARGS | {"42501"},
     "idem_claim_many": BAD_ARGS | {"42501"},
+    "idem_claim_abandoned": BAD_ARGS | {"42501"},
     "idem_finish": BAD_ARGS | TOKEN_STATES | {"54000", "40P01", "42501"},
     "idem_finish_many": BAD_ARGS | TOKEN_STATES | {"54000", "40P01", "42501"},
     "idem_extend": BAD_ARGS | TOKEN_STATES | {"40P01", "42501"},
@@ -107,7 +134,8 @@ ALLOWED = {
 TENANT_ONLY = {"42501"}
 # The functions each role calls without EXECUTE on them: 42501 always.
 # fuzz_app has EXECUTE on every function; the tenant has idem_forget, so
-# that its calls reach the tenant binding; fuzz_plain calls only idem_forget.
+# that its calls reach the tenant binding, and idem_claim_abandoned as
+# PUBLIC has it; fuzz_plain calls only idem_forget.
 NOT_GRANTED = {
     "fuzz_app": set(),
     "fuzz_tenant": {"bind_scope", "unbind_scope", "stats_reset", "distribute", "idem_sweep"},
@@ -115,7 +143,8 @@ NOT_GRANTED = {
 }
 # Functions that write: refused in a READ ONLY transaction (P4).  Not
 # stats_reset: it zeroes only shared-memory counters, as pg_stat_reset does.
-WRITERS = {"idem_claim", "idem_claim_many", "idem_finish", "idem_finish_many",
+WRITERS = {"idem_claim", "idem_claim_many", "idem_claim_abandoned",
+           "idem_finish", "idem_finish_many",
            "idem_extend", "idem_release", "idem_checkpoint", "idem_forget", "idem_sweep",
            "bind_scope", "unbind_scope", "distribute"}
 # They read through the snapshot, or no table: no serialization failure.
@@ -126,7 +155,8 @@ CONNECTION_LOST = {"57P01", "57P02", "57P03", "08006", "08003", "08000"}
 FUNCTIONS = sorted(ALLOWED)
 STATES = ["pending", "lease-ended", "checkpointed", "succeeded", "failed",
           "released", "retention-passed", "session-live", "session-ended",
-          "claimed-in-batch", "remembered-compacted", "remembered", "remember-passed"]
+          "claimed-in-batch", "remembered-compacted", "remembered", "remember-passed",
+          "abandoned-kept", "abandoned-reset"]
 # The remembered keys' states: the request they were claimed with (a
 # JSON_KINDS choice), their remember, how long ago their retention passed
 # (moved back by the superuser), and whether a sweep compacts them at once
@@ -138,9 +168,20 @@ REMEMBERED_STATES = {
     "remembered": ("null-sql", "1 day", "1 second", False),
     "remember-passed": ("small", "1 second", "1 hour", False),
 }
+# The abandoned keys' states: claimed with keep_request, the request a
+# drawn claim sends most often after none ("small"), so that drawn claims
+# take them over too, with keep_request or without; checkpointed; then
+# their lease moved that far into the past by the superuser; reset by a
+# sweep at once, or left to the background worker.
+ABANDONED_STATES = {
+    "abandoned-kept": ("small", "1 minute", False),
+    "abandoned-reset": ("small", "2 minutes", True),
+}
 CONTEXTS = ["autocommit", "commit", "rollback", "readonly", "savepoint",
             "timeout", "repeatable_read"]
 OMIT = object()  # an argument left out: its default applies
+# what idem_claim_abandoned names: every key of its scope
+ALL_KEYS = "all keys of the scope"
 
 # --------------------------------------------------------------------------
 # Strategies: abstract choices, resolved against the worker's keys at run
@@ -170,6 +211,8 @@ key_choice = st.one_of(
     st.tuples(st.just("own"), st.integers(0, 1000)),
     # the remembered ones once more: few calls would meet them otherwise
     st.tuples(st.just("own"), st.sampled_from([STATES.index(s) for s in REMEMBERED_STATES])),
+    # and the abandoned ones: claims take them over, with keep_request or not
+    st.tuples(st.just("own"), st.sampled_from([STATES.index(s) for s in ABANDONED_STATES])),
     st.tuples(st.just("shared"), st.integers(0, 7)),
     st.tuples(st.just("new"), texts),
     st.just(("null",)),
@@ -208,7 +251,7 @@ CLAIM_OUTCOMES = {"claimed", "replay", "in_progress", "mismatch", "expired"}
 waits = st.one_of(st.just(None), st.sampled_from(
     ["0", "1 millisecond", "50 milliseconds", "-1 second", "-infinity"]))
 JSON_KINDS = ["null-sql", "json-null", "small", "object", "unicode", "nested100",
-              "nested10000", "huge", "limit-edge", "number-scale"]
+              "nested10000", "huge", "limit-edge", "limit-at", "number-scale"]
 jsonb = st.one_of(st.sampled_from(JSON_KINDS), st.sampled_from(["small", "null-sql"]))
 statuses = st.one_of(st.just(None), st.sampled_from(
     ["succeeded", "failed", "", "SUCCEEDED", "succeeded ", "pending", "fail"]), odd_text,
@@ -217,6 +260,10 @@ phases = st.one_of(st.just(None), st.just("step-1"), st.just("step-2"), texts)
 int4 = st.one_of(st.just(None), st.sampled_from([0, -1, 200, 2**31 - 1, -2**31]),
                  st.integers(-2**31, 2**31 - 1))
 bools = st.sampled_from([None, True, False, False])
+# idem_claim_abandoned's max_keys: the bounds (1 and 10000) either side,
+# and valid counts as often again
+max_keys = st.one_of(st.sampled_from([None, 0, -1, 1, 2, 10, 10000, 10001, 2**31 - 1]),
+                     st.sampled_from([1, 2, 10]))
 
 
 def arg(strategy):
@@ -237,7 +284,8 @@ CALLS = {
     "idem_claim": st.fixed_dictionaries({
         "key": key_choice, "request": arg(jsonb), "scope": arg(scope_choice),
         "lease": arg(interval), "retention": arg(interval), "wait": arg(waits),
-        "session_bound": arg(bools), "remember": arg(remembers)}),
+        "session_bound": arg(bools), "remember": arg(remembers),
+        "keep_request": arg(bools)}),
     "idem_finish": st.fixed_dictionaries({
         "key": key_choice, "token": token_choice, "response_code": arg(int4),
         "response_body": arg(jsonb), "scope": arg(scope_choice), "status": arg(statuses),
@@ -259,6 +307,8 @@ CALLS = {
         "response_codes": arg(batch(int4)), "response_bodies": arg(batch(jsonb)),
         "scope": arg(scope_choice), "status": arg(statuses), "retention": arg(interval),
         "remember": arg(remembers)}),
+    "idem_claim_abandoned": st.fixed_dictionaries({
+        "scope": arg(scope_choice), "max_keys": arg(max_keys), "lease": arg(interval)}),
     "idem_lookup": st.fixed_dictionaries({"key": key_choice, "scope": arg(scope_choice)}),
     # as_plain: called as fuzz_plain, which has no EXECUTE on it
     "idem_forget": st.fixed_dictionaries({
@@ -284,7 +334,8 @@ CALLS = {
 # the key functions are drawn more often than the rest
 WEIGHTED = (["idem_claim"] * 6 + ["idem_finish"] * 5 + ["idem_extend"] * 3 +
             ["idem_release"] * 3 + ["idem_checkpoint"] * 3 + ["idem_claim_many"] * 3 +
-            ["idem_finish_many"] * 3 + ["idem_lookup"] * 2 + ["idem_forget"] * 3 +
+            ["idem_finish_many"] * 3 + ["idem_claim_abandoned"] * 3 +
+            ["idem_lookup"] * 2 + ["idem_forget"] * 3 +
             ["idem_sweep"] +
             [f for f in FUNCTIONS if not f.startswith("idem_")] + ["idem_version"])
 call_strategy = st.sampled_from(WEIGHTED).flatmap(
@@ -315,8 +366,12 @@ def json_text(kind, max_size):
             "nested100": nested(100),
             "nested10000": nested(10000),
             "huge": json.dumps({"blob": "x" * (max_size + 1000)}),
-            # within a few bytes of the limit: either side of it
+            # within a few bytes of the limit: under it as text, 2 bytes
+            # over it as the server measures a jsonb
             "limit-edge": json.dumps({"blob": "y" * (max_size - 14)}),
+            # exactly the limit as the server measures it (16 bytes of
+            # jsonb around the string): the largest accepted
+            "limit-at": json.dumps({"blob": "z" * (max_size - 16)}),
             "number-scale": '{"amount": 100.0}',
         }[kind]
     return JSON_CACHE[kind]
@@ -340,7 +395,11 @@ class Worker:
         self.plain = self.connect("fuzz_plain")  # calls idem_forget without the grant
         self.acting = self.role  # the role of the call being run
         self.max_size = self.response_limit()
+        self.over_limit = {}     # JSON_KINDS choice -> over max_response_size
+        # the lease of a claim without one, as the worker's sessions have it
+        self.lease_setting = self.conn.execute("SHOW idempotency.lease").fetchone()[0]
         self.pg_version = self.su.execute("SHOW server_version_num").fetchone()[0]
+        self.started = self.ended = None
         self.tokens = {}         # (scope, key) -> [tokens, newest last]
         self.own = []            # own keys, one per STATES entry of a generation
         self.generation = 0
@@ -401,6 +460,11 @@ class Worker:
             elif state == "claimed-in-batch":
                 tok = c.execute("SELECT token FROM idempotency.idem_claim_many(%s, scope => %s)",
                                 ([k], s)).fetchone()[0]
+            elif state in ABANDONED_STATES:
+                tok = c.execute(
+                    "SELECT token FROM idempotency.idem_claim(%s, %s::jsonb, %s, '1 hour', "
+                    "remember => '0', keep_request => true)",
+                    (k, json_text(ABANDONED_STATES[state][0], self.max_size), s)).fetchone()[0]
             elif state in REMEMBERED_STATES:
                 # with the request a drawn claim sends most often (none),
                 # or the most frequent payload ("small"), so that drawn
@@ -424,7 +488,28 @@ class Worker:
                           "retention => '1 millisecond')", (k, tok, s))
             elif state in REMEMBERED_STATES:
                 self.age_remembered(k, tok, *REMEMBERED_STATES[state][1:])
+            elif state in ABANDONED_STATES:
+                self.abandon(k, tok, *ABANDONED_STATES[state][1:])
         self.own = keys
+
+    def abandon(self, key, token, ago, reset):
+        """Make own key <key> what an attempt leaves that dies after a
+        checkpoint: its lease (and its sweep_at with it) moved <ago> into
+        the past, its retention still running.  With <reset>, sweep until a
+        sweep reset it (its token is NULL); a few tries, since a sweep takes
+        a batch of the due keys at a time and skips busy ones."""
+        c, s = self.conn, self.own_scope
+        c.execute("SELECT idempotency.idem_checkpoint(%s, %s, 'step-2', '{\"resume\": 2}', %s)",
+                  (key, token, s))
+        self.su.execute(
+            "UPDATE idempotency.keys SET lease_until = pg_catalog.clock_timestamp() - %s::interval,"
+            " sweep_at = pg_catalog.clock_timestamp() - %s::interval"
+            " WHERE scope = %s AND key = %s", (ago, ago, s, key))
+        for _ in range(5 if reset else 0):
+            self.su.execute("SELECT * FROM idempotency.idem_sweep()")
+            if self.su.execute("SELECT token FROM idempotency.keys WHERE scope = %s AND key = %s",
+                               (s, key)).fetchone() != (token,):
+                break
 
     def age_remembered(self, key, token, remember, age, compact):
         """Finish own key <key> (with a recovery point and a response, which
@@ -556,7 +641,8 @@ class Worker:
                           ("response_bodies", "jsonb[]"), ("phase", "text"),
                           ("lease", "interval"), ("retention", "interval"),
                           ("wait", "interval"), ("status", "text"),
-                          ("session_bound", "bool"), ("remember", "interval")]:
+                          ("session_bound", "bool"), ("remember", "interval"),
+                          ("keep_request", "bool"), ("max_keys", "int4")]:
             v = a.get(name, OMIT)
             if v is OMIT:
                 continue
@@ -572,6 +658,8 @@ class Worker:
         if a.get("scope", OMIT) is not OMIT:
             args.append(("scope", scope, "text"))
         sql, params = self.statement(fn, args)
+        if fn == "idem_claim_abandoned":
+            touched = ALL_KEYS
         return sql, params, scope, touched
 
     def batch_value(self, v, each):
@@ -609,28 +697,31 @@ class Worker:
 
     # -- P3: the rows of the keys a call names --------------------------------
     def snapshot(self, scope, keys):
-        names = [k for k in keys if isinstance(k, str)]
-        if scope != self.own_scope or not names:
+        """The rows of the keys <keys> (or ALL_KEYS) of scope <scope>, if it
+        is the worker's own, by key, and the keys named (ALL_KEYS kept)."""
+        if scope != self.own_scope:
             return None
-        # compared as text: a 10,000-level jsonb is too deep for Python's json
+        names = keys if keys is ALL_KEYS else [k for k in keys if isinstance(k, str)]
+        if not names:
+            return None
+        # compared as text: a 10,000-level jsonb is too deep for Python's
+        # json; a long one as its start and md5, since every key of a scope
+        # may hold a response or a request near max_response_size
         rows = self.su.execute(
-            "SELECT k.key, (pg_catalog.to_jsonb(k) - 'sweep_at')::text, k.status, k.token,"
-            " k.expires_at::text,"
-            " (pg_catalog.to_jsonb(k) - 'sweep_at' - 'token' - 'owner_session')::text,"
-            " (pg_catalog.to_jsonb(k) - 'sweep_at' - 'response_body' - 'phase'"
-            "  - 'phase_data')::text,"
-            " k.response_body IS NULL AND k.phase IS NULL AND k.phase_data IS NULL,"
-            " (CASE WHEN k.status = 'pending' OR k.remember IS NULL THEN k.expires_at"
-            "  ELSE k.expires_at + k.remember END)::text"
-            " FROM idempotency.keys k WHERE k.scope = %s AND k.key = ANY(%s)",
-            (scope, names)).fetchall()
+            SNAPSHOT_SQL + ("" if names is ALL_KEYS else " AND k.key = ANY(%s)"),
+            (scope,) if names is ALL_KEYS else (scope, names)).fetchall()
         return {r[0]: Row(*r[1:]) for r in rows}, names
 
-    def compare(self, before, why, sql, params):
+    def compare(self, before, why, sql, params, skip=frozenset()):
         rows, names = before
         after, _ = self.snapshot(self.own_scope, names)
+        if names is ALL_KEYS:
+            # a key that appeared is a change too
+            names = sorted(set(rows) | set(after))
         self.checked["P3 row unchanged"] += 1
         for k in names:
+            if k in skip:
+                continue
             b, a = rows.get(k), after.get(k)
             if b == a:
                 continue
@@ -660,9 +751,11 @@ class Worker:
         self.calls[fn] += 1
         self.contexts[ctx] += 1
         before = self.snapshot(scope, touched)
-        # a lookup is judged by what it could know at the start of the call
+        # a lookup is judged by what it could know at the start of the call,
+        # idem_claim_abandoned by when its call may have looked at the keys
+        timed = fn in ("idem_lookup", "idem_claim_abandoned")
         self.started = (self.su.execute("SELECT pg_catalog.clock_timestamp()").fetchone()[0]
-                        if fn == "idem_lookup" else None)
+                        if timed else None)
         plain = bool(a.get("as_plain")) if isinstance(a, dict) else False
         c = self.plain if plain else self.conn
         self.acting = "fuzz_plain" if plain else self.role
@@ -701,6 +794,8 @@ class Worker:
             # COMMIT itself may fail: a deferred serialization failure
             state = state or e.sqlstate
             c.execute("ROLLBACK")
+        self.ended = (self.su.execute("SELECT pg_catalog.clock_timestamp()").fetchone()[0]
+                      if timed else None)
         self.check_error(fn, a, ctx, state, sql, params)
         self.check_answer(fn, a, rows, state, rolled_back, before, scope, touched, sql, params)
         if state is None:
@@ -719,6 +814,18 @@ class Worker:
             elif state not in {"25006", "54000", "42501", "22021"} | BAD_ARGS:
                 self.fail("P4", f"raised {state}, not 25006, in a READ ONLY transaction",
                           sql, params)
+        # a request kept over max_response_size: 54000 before anything else
+        # is read or written, and only then
+        kept_over = (fn == "idem_claim" and a.get("keep_request") is True
+                     and self.over(a.get("request", OMIT)))
+        if fn == "idem_claim" and state in (None, "54000"):
+            self.checked["P6 claim: 54000 only for a request kept over the limit"] += 1
+            if state is None and kept_over:
+                self.fail("P6", "idem_claim kept a request over idempotency.max_response_size",
+                          sql, params)
+            elif state == "54000" and not kept_over:
+                self.fail("P6", "idem_claim raised 54000 without keep_request => true and a "
+                          "request over idempotency.max_response_size", sql, params)
         if state is None:
             if raw and any(b"\x00" in p or b"\xff" in p or p == b"\xc3"
                            for p in params if isinstance(p, bytes)):
@@ -739,6 +846,8 @@ class Worker:
             allowed.add("40001")
         if raw:
             allowed.add("22021")
+        if kept_over:
+            allowed.add("54000")
         if state not in allowed:
             self.fail("P2", f"{fn} raised {state}, which docs/api.md does not list for it"
                       f" (context {ctx})", sql, params)
@@ -781,6 +890,18 @@ class Worker:
                               sql, params)
                 elif ans[0] == "expired":
                     self.check_expired(fn, ans, key, own, sql, params)
+            if (fn == "idem_claim" and own and not rolled_back and rows
+                    and rows[0][0] == "claimed" and isinstance(touched[0], str)):
+                self.check_kept_request(a, rows[0], touched[0], prior.get(touched[0]),
+                                        sql, params)
+        elif fn in ("idem_finish", "idem_finish_many"):
+            if own and not rolled_back:
+                keys = touched[:1] if fn == "idem_finish" else [r[1] for r in rows or []]
+                self.check_request_dropped(fn, [k for k in keys if isinstance(k, str)],
+                                           sql, params)
+        elif fn == "idem_claim_abandoned":
+            self.check_abandoned(a, rows or [], scope, before if own else None, rolled_back,
+                                 sql, params)
         elif fn == "idem_lookup":
             self.check_lookup(rows, sql, params)
         elif fn == "idem_forget":
@@ -832,6 +953,152 @@ class Worker:
         elif past:
             self.checked["P6 lookup of a remembered key"] += 1
 
+    def over(self, kind):
+        """Whether the request of JSON_KINDS choice <kind> is over
+        idempotency.max_response_size, as the server measures it (the
+        bytes of the jsonb, without its header)."""
+        if kind is OMIT or kind is None or self.json_value(kind) is None:
+            return False
+        if kind not in self.over_limit:
+            self.over_limit[kind] = self.su.execute(
+                "SELECT pg_catalog.pg_column_size(%s::jsonb) - 4 > %s",
+                (self.json_value(kind), self.max_size)).fetchone()[0]
+        return self.over_limit[kind]
+
+    def check_kept_request(self, a, ans, key, b, sql, params):
+        """After a claimed answer the key keeps the request sent when the
+        claim kept it (a fresh claim, or a takeover with keep_request), none
+        after a fresh claim without keep_request, and the one it kept before
+        after a takeover without it."""
+        keep = a.get("keep_request") is True
+        sent = self.json_value(a["request"]) if a.get("request", OMIT) is not OMIT else None
+        row = self.su.execute(
+            "SELECT pg_catalog.md5(request::text), pg_catalog.md5(%s::jsonb::text)"
+            " FROM idempotency.keys WHERE scope = %s AND key = %s",
+            (sent if keep else None, self.own_scope, key)).fetchone()
+        if row is None:
+            return  # a sweep deleted it since: its lease and retention were that short
+        stored, expected = row
+        takeover = ans[2] is not None and ans[2] > 1
+        self.checked["P6 claim: the request kept"] += 1
+        if takeover and not keep:
+            if b is None:
+                self.fail("P6", f"idem_claim answered attempt {ans[2]} for a key with no row "
+                          "before the call", sql, params)
+                return
+            expected = b.request
+        if stored != expected:
+            what = ("the request sent" if keep else
+                    "the request it kept before" if takeover else "no request")
+            given_as = a.get("keep_request", OMIT)
+            self.fail("P6", f"after a claimed answer (attempt {ans[2]}, keep_request "
+                      f"{'omitted' if given_as is OMIT else given_as}) the key does not "
+                      f"keep {what}", sql, params,
+                      extra=f"stored request md5 {stored}, expected {expected};"
+                      f" before: {short(b)}")
+
+    def check_request_dropped(self, fn, keys, sql, params):
+        """A key finished keeps no request."""
+        if not keys:
+            return
+        self.checked["P6 finish: no request kept"] += 1
+        left = self.su.execute(
+            "SELECT key FROM idempotency.keys WHERE scope = %s AND key = ANY(%s)"
+            " AND request IS NOT NULL", (self.own_scope, keys)).fetchall()
+        if left:
+            self.fail("P6", f"{fn} finished keys that still keep a request", sql, params,
+                      extra=f"keys: {[r[0] for r in left]!r}")
+
+    def check_abandoned(self, a, rows, scope, before, rolled_back, sql, params):
+        """idem_claim_abandoned's answer: at most max_keys rows of distinct
+        keys, each a takeover; in the worker's own scope, each of a key
+        abandoned before the call, taken over as a claim would, oldest
+        lease first, and (once committed) none of the other keys changed."""
+        fn = "idem_claim_abandoned"
+        self.outcomes[fn][{0: "no key", 1: "1 key"}.get(len(rows), "2+ keys")] += 1
+        limit = 1 if a.get("max_keys", OMIT) is OMIT else a["max_keys"]
+        keys = [r[0] for r in rows]
+        self.checked["P6 claim_abandoned: at most max_keys rows, distinct keys"] += 1
+        if len(rows) > limit or len(set(keys)) != len(keys):
+            self.fail("P6", f"{fn} answered {len(rows)} rows for max_keys {limit}, of "
+                      f"{len(set(keys))} keys", sql, params, extra=f"keys: {keys!r}")
+        for r in rows:
+            if r[0] is None or r[1] is None or r[2] is None or r[2] < 2:
+                self.fail("P6", f"{fn} answered a row that is no takeover: {r[:3]!r}",
+                          sql, params)
+        if before is None:
+            return
+        prior = before[0]
+        lease = (self.lease_setting if a.get("lease", OMIT) in (OMIT, None)
+                 else self.interval_value(a["lease"]))
+        ends = []
+        for key, token, attempt, request, phase, phase_data in rows:
+            b = prior.get(key)
+            self.checked["P6 claim_abandoned: the key was abandoned"] += 1
+            if b is None:
+                self.fail("P6", f"{fn} answered a key that had no row before the call",
+                          sql, params, extra=f"key: {key!r}")
+                continue
+            if not self.su.execute(ABANDONED_SQL, {
+                    "status": b.status, "expires_at": b.expires_at, "started": self.started,
+                    "token": b.token, "lease_until": b.lease_until, "ended": self.ended,
+                    "owner": b.owner_session}).fetchone()[0]:
+                self.fail("P6", f"{fn} answered a key that was not abandoned", sql, params,
+                          extra=f"before: {short(b)}")
+            ends.append(b.lease_until)
+            self.checked["P6 claim_abandoned: a takeover of the key"] += 1
+            earlier = [t for t in self.tokens.get((scope, key), []) + [b.token] if t is not None]
+            if (attempt != b.attempt + 1 or (earlier and token <= max(earlier))
+                    or md5(request) != b.request or phase != b.phase
+                    or md5(phase_data) != b.phase_data):
+                self.fail("P6", f"{fn} answered a row that is not a takeover of the key's row",
+                          sql, params, extra=f"answer: token {token}, attempt {attempt}, "
+                          f"request md5 {md5(request)}, phase {phase!r}, phase_data md5 "
+                          f"{md5(phase_data)}; earlier tokens {earlier}; before: {short(b)}")
+        if len(ends) > 1:
+            self.checked["P6 claim_abandoned: oldest lease first"] += 1
+            if not self.su.execute(
+                    "SELECT pg_catalog.bool_and(l <= n) FROM (SELECT l, pg_catalog.lead(l)"
+                    " OVER (ORDER BY o) AS n FROM pg_catalog.unnest(%s::timestamptz[])"
+                    " WITH ORDINALITY u(l, o)) s", (ends,)).fetchone()[0]:
+                self.fail("P6", f"{fn} answered keys out of the order of their lease's end",
+                          sql, params, extra=f"keys {keys!r}, leases ended {ends!r}")
+        if rolled_back:
+            return  # P3 compares every key
+        after = self.snapshot(scope, ALL_KEYS)[0]
+        for key, token, attempt, _, _, _ in rows:
+            b, x = prior.get(key), after.get(key)
+            if b is None:
+                continue
+            self.checked["P6 claim_abandoned: the key taken over"] += 1
+            if x is None:
+                # a sweep deleted it since: past its new lease and retention
+                if self.su.execute("SELECT %s::timestamptz + %s::interval"
+                                   " > pg_catalog.clock_timestamp()",
+                                   (self.started, lease)).fetchone()[0]:
+                    self.fail("P6", f"{fn} took a key and its row is gone within its lease",
+                              sql, params, extra=f"key {key!r}; before: {short(b)}")
+                continue
+            lease_ok, lease_ended, expires_ok = self.su.execute(
+                "SELECT %(l)s::timestamptz BETWEEN %(s)s::timestamptz + %(i)s::interval"
+                "  AND pg_catalog.clock_timestamp() + %(i)s::interval,"
+                " %(l)s::timestamptz <= pg_catalog.clock_timestamp(),"
+                " %(e)s::timestamptz >= %(l)s::timestamptz",
+                {"l": x.lease_until, "s": self.started, "i": lease,
+                 "e": x.expires_at}).fetchone()
+            # the background worker resets it once the new lease ended
+            token_ok = x.token == token or (x.token is None and lease_ended)
+            if (x.status != "pending" or x.attempt != attempt or not token_ok
+                    or x.owner_session is not None or not lease_ok or not expires_ok
+                    or x.request != b.request or x.phase != b.phase
+                    or x.phase_data != b.phase_data):
+                self.fail("P6", f"{fn} took a key over, and its row is not pending under the "
+                          "token answered, with a lease of the one asked for and its request "
+                          "and recovery point", sql, params,
+                          extra=f"answer: token {token}, attempt {attempt}, lease {lease}\n"
+                          f"   before: {short(b)}\n   after:  {short(x)}")
+        self.compare(before, "took other keys", sql, params, skip=set(keys))
+
     def check_expired(self, fn, ans, key, own, sql, params):
         """An expired answer: status and response_code only, of a finished
         key remembered past its retention (a claim of it writes nothing)."""
@@ -860,6 +1127,9 @@ class Worker:
         """Remember the tokens that claims handed out."""
         if fn == "idem_claim" and rows and rows[0][0] == "claimed":
             self.remember(scope, touched[0], rows[0][1])
+        elif fn == "idem_claim_abandoned":
+            for r in rows or []:
+                self.remember(scope, r[0], r[1])
         elif fn == "idem_claim_many":
             for r in rows or []:
                 if r[2] == "claimed":
@@ -921,8 +1191,53 @@ class Raw:
 # and what tells a reset by the background worker apart (rest: the row
 # without token and owner_session) and a compaction (core: the row without
 # what a compaction drops; compact: none of that is left); gone_at: when
-# the key stops being there for a claim, its retention or remember passing.
-Row = collections.namedtuple("Row", "text status token expires_at rest core compact gone_at")
+# the key stops being there for a claim, its retention or remember passing;
+# then what idem_claim_abandoned's answer is held against (request and
+# phase_data as md5s of their text).
+Row = collections.namedtuple("Row", "text status token expires_at rest core compact gone_at"
+                             " attempt lease_until owner_session request phase phase_data")
+
+
+def fit(expr):
+    """SQL: the text of jsonb <expr>, or, past 2000 characters, its start,
+    length and md5 (what tells two of them apart, and reads in a failure)."""
+    return ("(SELECT CASE WHEN pg_catalog.length(t) > 2000 THEN pg_catalog.left(t, 600)"
+            " || '...(' || pg_catalog.length(t) || ' characters, md5 ' || pg_catalog.md5(t)"
+            f" || ')' ELSE t END FROM (SELECT ({expr})::text AS t) f)")
+
+
+# Whether a key's row before a call (its status, expires_at, token,
+# lease_until and owner_session) was abandoned at some time of the call
+# (between started and ended): pending, within its retention, and reset,
+# past its lease, or bound to a session whose binding lock (an advisory
+# lock, its fourth field 0x1de8) nobody holds.
+ABANDONED_SQL = (
+    "SELECT %(status)s = 'pending' AND %(expires_at)s::timestamptz > %(started)s::timestamptz"
+    " AND (%(token)s::int8 IS NULL OR %(lease_until)s::timestamptz <= %(ended)s::timestamptz"
+    "  OR (%(owner)s::int8 IS NOT NULL AND NOT EXISTS (SELECT FROM pg_catalog.pg_locks l"
+    "   WHERE l.locktype = 'advisory' AND l.mode = 'ExclusiveLock' AND l.granted"
+    "    AND l.database = (SELECT oid FROM pg_catalog.pg_database"
+    "                      WHERE datname = pg_catalog.current_database())"
+    "    AND l.classid::int8 = (%(owner)s::int8 >> 32) & 4294967295"
+    "    AND l.objid::int8 = %(owner)s::int8 & 4294967295 AND l.objsubid = 7656)))")
+
+# The rows of a scope's keys, as Row has them (the first column is the key).
+SNAPSHOT_SQL = (
+    "SELECT k.key, " + fit("j - 'sweep_at'") + ", k.status, k.token, k.expires_at::text, "
+    + fit("j - 'sweep_at' - 'token' - 'owner_session'") + ", "
+    + fit("j - 'sweep_at' - 'response_body' - 'phase' - 'phase_data'") + ","
+    " k.response_body IS NULL AND k.phase IS NULL AND k.phase_data IS NULL,"
+    " (CASE WHEN k.status = 'pending' OR k.remember IS NULL THEN k.expires_at"
+    "  ELSE k.expires_at + k.remember END)::text,"
+    " k.attempt, k.lease_until::text, k.owner_session, pg_catalog.md5(k.request::text),"
+    " k.phase, pg_catalog.md5(k.phase_data::text)"
+    " FROM idempotency.keys k, LATERAL (SELECT pg_catalog.to_jsonb(k) AS j) r"
+    " WHERE k.scope = %s")
+
+
+def md5(text):
+    """The md5 of a text as PostgreSQL's md5() has it (NULL: None)."""
+    return None if text is None else hashlib.md5(text.encode("utf-8")).hexdigest()
 
 
 def short(row):
