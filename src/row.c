@@ -698,11 +698,25 @@ idem_row_session_candidates(int64 after, int limit, ItemPointerData **tids,
 #define ABANDONED_SCAN_FACTOR	16
 #define ABANDONED_SCAN_MIN		1024
 
+/*
+ * The ways a key is abandoned, one per index that finds it, so that no
+ * key is found twice: a sweep reset it (its token is NULL), its lease
+ * ended, or, under a running lease, its session-bound owner's session
+ * ended.
+ */
+typedef enum AbandonedWay
+{
+	ABANDONED_RESET,
+	ABANDONED_LEASE_ENDED,
+	ABANDONED_SESSION_ENDED
+} AbandonedWay;
+
 /* The candidates idem_row_abandoned_candidates collects. */
 typedef struct AbandonedList
 {
 	text	   *scope;
 	TimestampTz now;
+	AbandonedWay way;			/* what the current index scan looks for */
 	int			n;
 	int			limit;
 	IdemAbandoned *items;
@@ -724,9 +738,21 @@ abandoned_add(TupleTableSlot *slot, void *arg)
 	row_decode(slot, false, &row);
 	if (!idem_row_abandoned(&row, list->now))
 		return true;
-	for (int i = 0; i < list->n; i++)
-		if (ItemPointerEquals(&list->items[i].tid, &slot->tts_tid))
-			return true;
+	switch (list->way)
+	{
+		case ABANDONED_RESET:
+			if (row.has_token)
+				return true;
+			break;
+		case ABANDONED_LEASE_ENDED:
+			if (!row.has_token || row.lease_until > list->now)
+				return true;
+			break;
+		case ABANDONED_SESSION_ENDED:
+			if (!row.has_token || row.lease_until <= list->now)
+				return true;
+			break;
+	}
 	list->items[list->n].tid = slot->tts_tid;
 	list->items[list->n].key =
 		DatumGetTextPCopy(slot->tts_values[KEYS_COL_KEY - 1]);
@@ -773,6 +799,7 @@ idem_row_abandoned_candidates(text *scope, TimestampTz now, int limit,
 
 	list.scope = scope;
 	list.now = now;
+	list.way = ABANDONED_RESET;
 	list.n = 0;
 	list.limit = limit;
 	list.items = palloc(sizeof(IdemAbandoned) * limit);
@@ -786,6 +813,7 @@ idem_row_abandoned_candidates(text *scope, TimestampTz now, int limit,
 	}
 	if (list.n < limit)
 	{
+		list.way = ABANDONED_LEASE_ENDED;
 		ScanKeyInit(&skey, 1, BTLessEqualStrategyNumber, F_TIMESTAMPTZ_LE,
 					TimestampTzGetDatum(now));
 		row_index_scan(catalog->sweep_idx, &skey, 1, cap, catalog->ncols,
@@ -793,6 +821,7 @@ idem_row_abandoned_candidates(text *scope, TimestampTz now, int limit,
 	}
 	if (list.n < limit && OidIsValid(catalog->session_idx))
 	{
+		list.way = ABANDONED_SESSION_ENDED;
 		ScanKeyInit(&skey, 1, BTGreaterStrategyNumber, F_INT8GT,
 					Int64GetDatum(0));
 		row_index_scan(catalog->session_idx, &skey, 1, cap, catalog->ncols,
