@@ -22,7 +22,7 @@ ALTER TABLE idempotency.keys ADD COLUMN IF NOT EXISTS request jsonb;
 DO $$
 BEGIN
 	EXECUTE 'CREATE INDEX IF NOT EXISTS keys_abandoned_idx '
-		 || 'ON idempotency.keys (scope, lease_until) WHERE token IS NULL';
+		 || 'ON idempotency.keys (scope, created_at) WHERE token IS NULL';
 END
 $$;
 

@@ -79,10 +79,10 @@ CREATE INDEX keys_owner_session_idx ON idempotency.keys (owner_session)
 	WHERE owner_session IS NOT NULL;
 /*
  * The keys a sweep reset (their attempt was abandoned), by scope and age:
- * what idem_claim_abandoned looks for.  A finish leaves token alone, so it
- * stays a HOT update.
+ * what idem_claim_abandoned looks for, oldest first.  Neither finish nor
+ * extend changes scope, created_at or token, so both stay HOT updates.
  */
-CREATE INDEX keys_abandoned_idx ON idempotency.keys (scope, lease_until)
+CREATE INDEX keys_abandoned_idx ON idempotency.keys (scope, created_at)
 	WHERE token IS NULL;
 
 REVOKE ALL ON TABLE idempotency.keys FROM PUBLIC;

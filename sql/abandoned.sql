@@ -2,7 +2,7 @@
 -- abandoned.sql: completers.  A claim may keep its request with the key
 -- (keep_request) until the key is finished; idem_claim_abandoned takes
 -- over the keys of a scope whose attempt was abandoned (lease ended, reset
--- by a sweep, or the session-bound owner's session gone), oldest lease
+-- by a sweep, or the session-bound owner's session gone), oldest key
 -- first, each exactly as a claim's takeover, and returns the kept request
 -- and the last recovery point.  Leases are ended by moving lease_until
 -- (and sweep_at) into the past, never by waiting for the clock.  The
@@ -97,12 +97,18 @@ SELECT idempotency.idem_release(k, token, 'abandoned')
  WHERE scope = 'abandoned' AND key = k;
 
 --
--- oldest lease first, at most max_keys per call
+-- oldest key first (its first claim; not its lease's end), at most
+-- max_keys per call
 --
 SELECT count(*) AS claimed FROM unnest(ARRAY['o1', 'o2', 'o3']) k,
 	idempotency.idem_claim(k, jsonb_build_object('k', k), 'abandoned', keep_request => true) c
  WHERE c.outcome = 'claimed';
-SELECT pg_temp.end_lease('o1', '1 minute'), pg_temp.end_lease('o2', '3 minutes'),
+UPDATE idempotency.keys
+   SET created_at = now() - CASE key WHEN 'o2' THEN interval '3 hours'
+									WHEN 'o3' THEN interval '2 hours'
+									ELSE interval '1 hour' END
+ WHERE scope = 'abandoned' AND key IN ('o1', 'o2', 'o3');
+SELECT pg_temp.end_lease('o1', '3 minutes'), pg_temp.end_lease('o2', '1 minute'),
 	   pg_temp.end_lease('o3', '2 minutes');
 SELECT key, attempt, request FROM idempotency.idem_claim_abandoned('abandoned', 2);
 SELECT key, attempt, request FROM idempotency.idem_claim_abandoned('abandoned', 2);

@@ -511,7 +511,7 @@ catalog_check_store(IdemCatalog *found, const char *suffix)
 		found->abandoned_idx = catalog_lock_index("keys_abandoned_idx",
 												  suffix);
 		catalog_check_index(found->abandoned_idx, found->keys, 2,
-							KEYS_COL_SCOPE, KEYS_COL_LEASE_UNTIL, true);
+							KEYS_COL_SCOPE, KEYS_COL_CREATED_AT, true);
 	}
 	heap = table_open(found->keys, AccessShareLock);
 	found->user_code = catalog_runs_user_code(heap, found);

@@ -772,7 +772,7 @@ claim_abandoned_one(text *scope, const IdemAbandoned *cand, TimestampTz now,
  *
  * A completer's claim: take over up to max_keys keys of the scope whose
  * attempt was abandoned (a sweep reset it, its lease ended, or its
- * session-bound owner's session ended), oldest lease first, each exactly
+ * session-bound owner's session ended), oldest first, each exactly
  * as a claim's takeover would (attempt + 1, a new token, the old one
  * dead), without the request: the one the key was claimed with, if it was
  * kept, is returned with the last recovery point.  Keys that someone else

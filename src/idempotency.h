@@ -229,7 +229,7 @@ typedef struct IdemAbandoned
 {
 	ItemPointerData tid;
 	text	   *key;
-	TimestampTz lease_until;
+	TimestampTz created_at;		/* when its first attempt claimed it */
 } IdemAbandoned;
 
 extern int	idem_row_abandoned_candidates(text *scope, TimestampTz now,

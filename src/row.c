@@ -756,7 +756,7 @@ abandoned_add(TupleTableSlot *slot, void *arg)
 	list->items[list->n].tid = slot->tts_tid;
 	list->items[list->n].key =
 		DatumGetTextPCopy(slot->tts_values[KEYS_COL_KEY - 1]);
-	list->items[list->n].lease_until = row.lease_until;
+	list->items[list->n].created_at = row.created_at;
 	return ++list->n < list->limit;
 }
 
@@ -767,8 +767,8 @@ abandoned_cmp(const void *a, const void *b)
 	const IdemAbandoned *y = (const IdemAbandoned *) b;
 	int			cmp;
 
-	if (x->lease_until != y->lease_until)
-		return x->lease_until < y->lease_until ? -1 : 1;
+	if (x->created_at != y->created_at)
+		return x->created_at < y->created_at ? -1 : 1;
 	cmp = memcmp(VARDATA_ANY(x->key), VARDATA_ANY(y->key),
 				 Min(VARSIZE_ANY_EXHDR(x->key), VARSIZE_ANY_EXHDR(y->key)));
 	if (cmp != 0)
@@ -779,8 +779,9 @@ abandoned_cmp(const void *a, const void *b)
 /*
  * Up to "limit" keys of "scope" that look abandoned at "now" (as
  * idem_row_abandoned judges them; the caller judges each again under its
- * lock), oldest lease first.  Three places hold them: keys_abandoned_idx,
- * the keys a sweep reset, of this scope only; keys_sweep_at_idx up to
+ * lock), oldest first (by when their first attempt claimed them).  Three
+ * places hold them: keys_abandoned_idx, the keys a sweep reset, of this
+ * scope only, oldest first; keys_sweep_at_idx up to
  * "now", where a pending key whose lease ended stays until a sweep visits
  * it; keys_owner_session_idx, the pending session-bound keys, whose
  * owner's session may have ended.  The last two are shared by every scope,

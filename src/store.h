@@ -90,7 +90,7 @@ typedef struct IdemCatalog
 	Oid			sweep_idx;		/* keys_sweep_at_idx: (sweep_at) */
 	Oid			session_idx;	/* keys_owner_session_idx, or InvalidOid
 								 * before 1.4 */
-	Oid			abandoned_idx;	/* keys_abandoned_idx: (scope, lease_until) of
+	Oid			abandoned_idx;	/* keys_abandoned_idx: (scope, created_at) of
 								 * the keys a sweep reset, or InvalidOid
 								 * before 1.8 */
 	int			ncols;			/* KEYS_NCOLS, or KEYS_NCOLS_1_7 / _1_4 / _1_0

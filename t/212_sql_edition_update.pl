@@ -273,7 +273,7 @@ for my $v (@released)
 	is(sql($db, 'SELECT count(*) FROM idempotency.keys WHERE request IS NOT NULL'),
 		'0', "$v: no stored key has a kept request");
 	is(sql($db, "SELECT pg_get_indexdef('idempotency.keys_abandoned_idx'::regclass)"),
-		'CREATE INDEX keys_abandoned_idx ON idempotency.keys USING btree (scope, lease_until) '
+		'CREATE INDEX keys_abandoned_idx ON idempotency.keys USING btree (scope, created_at) '
 		  . 'WHERE (token IS NULL)',
 		"$v: keys_abandoned_idx indexes the reset keys by scope and lease");
 	is(sql($db,

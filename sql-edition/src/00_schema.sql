@@ -106,11 +106,11 @@ CREATE INDEX IF NOT EXISTS keys_owner_session_idx ON idempotency.keys (owner_ses
 	WHERE owner_session IS NOT NULL;
 /*
  * The keys a sweep reset (token NULL: only a pending key whose lease or
- * session ended has none), by scope and lease: idem_claim_abandoned finds
- * a scope's oldest without reading other scopes' keys.  A finish never
- * changes the token, so a claim's key never enters it.
+ * session ended has none), by scope and age: idem_claim_abandoned finds a
+ * scope's oldest without reading other scopes' keys.  Neither finish nor
+ * extend changes scope, created_at or token, so both stay HOT updates.
  */
-CREATE INDEX IF NOT EXISTS keys_abandoned_idx ON idempotency.keys (scope, lease_until)
+CREATE INDEX IF NOT EXISTS keys_abandoned_idx ON idempotency.keys (scope, created_at)
 	WHERE token IS NULL;
 
 REVOKE ALL ON TABLE idempotency.keys FROM PUBLIC;

@@ -124,7 +124,7 @@ BEGIN
 	FOR a IN
 		SELECT n.name, n.cols, n.partial FROM (VALUES
 			('keys_pkey', '1 2', false), ('keys_sweep_at_idx', '14', false),
-			('keys_owner_session_idx', '17', true), ('keys_abandoned_idx', '1 11', true)) n(name, cols, partial)
+			('keys_owner_session_idx', '17', true), ('keys_abandoned_idx', '1 9', true)) n(name, cols, partial)
 	LOOP
 		idx := pg_catalog.to_regclass('idempotency.' OPERATOR(pg_catalog.||) a.name);
 		IF idx IS NULL THEN

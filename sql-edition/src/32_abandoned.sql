@@ -5,7 +5,7 @@
  *	  was abandoned.
  *
  * Mirrors claim.c's idem_claim_abandoned and row.c's search for abandoned
- * keys: the candidates of one scope, oldest lease first, from the three
+ * keys: the candidates of one scope, oldest first (by created_at), from the three
  * places they are (keys_abandoned_idx, the due end of keys_sweep_at_idx,
  * keys_owner_session_idx); each locked as a claim locks an existing key
  * (FOR NO KEY UPDATE SKIP LOCKED, never waiting), judged again, and taken
@@ -23,7 +23,7 @@
 /*
  * Take over, in one call, up to max_keys abandoned keys of the scope: a
  * key pending within its retention whose token a sweep cleared, whose
- * lease ended, or whose session-bound owner's session ended.  Oldest lease
+ * lease ended, or whose session-bound owner's session ended.  Oldest
  * first (ties: key); each row is a claimed takeover (attempt + 1, a new
  * token, the old one dead, a lease of "lease", not bound to a session),
  * with the request the key was claimed with when that claim kept it and
@@ -56,7 +56,7 @@ DECLARE
 	page integer;
 	cur refcursor;
 	seen integer;
-	last_lease timestamptz;
+	last_created timestamptz;
 	last_key text;
 	dead bigint[];
 	first bigint;
@@ -134,23 +134,23 @@ BEGIN
 	LOOP
 		seen := 0;
 		OPEN cur FOR
-			SELECT a.key AS cand, a.lease_until AS cand_lease, l.tid, l.key, l.attempt,
+			SELECT a.key AS cand, a.created_at AS cand_created, l.tid, l.key, l.attempt,
 				   l.request, l.phase, l.phase_data
-			  FROM (SELECT b.key, b.lease_until
-					  FROM ((SELECT k.key, k.lease_until
+			  FROM (SELECT b.key, b.created_at
+					  FROM ((SELECT k.key, k.created_at
 							   FROM idempotency.keys k
 							  WHERE k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
 								AND k.token IS NULL
-								AND k.lease_until OPERATOR(pg_catalog.>=) COALESCE(last_lease, '-infinity')
+								AND k.created_at OPERATOR(pg_catalog.>=) COALESCE(last_created, '-infinity')
 								AND (last_key IS NULL OR
-									 (k.lease_until, k.key) OPERATOR(pg_catalog.>) (last_lease, last_key))
+									 (k.created_at, k.key) OPERATOR(pg_catalog.>) (last_created, last_key))
 								AND k.status OPERATOR(pg_catalog.=) 'pending'
 								AND k.expires_at OPERATOR(pg_catalog.>) now
-							  ORDER BY k.lease_until, k.key
+							  ORDER BY k.created_at, k.key
 							  LIMIT page)
 							UNION ALL
-							SELECT d.key, d.lease_until
-							  FROM (SELECT k.scope, k.key, k.status, k.token, k.lease_until, k.expires_at
+							SELECT d.key, d.created_at
+							  FROM (SELECT k.scope, k.key, k.status, k.token, k.lease_until, k.created_at, k.expires_at
 									  FROM idempotency.keys k
 									 WHERE k.sweep_at OPERATOR(pg_catalog.<=) now
 									 ORDER BY k.sweep_at
@@ -161,9 +161,9 @@ BEGIN
 							   AND d.lease_until OPERATOR(pg_catalog.<=) now
 							   AND d.expires_at OPERATOR(pg_catalog.>) now
 							   AND (last_key IS NULL OR
-									(d.lease_until, d.key) OPERATOR(pg_catalog.>) (last_lease, last_key))
+									(d.created_at, d.key) OPERATOR(pg_catalog.>) (last_created, last_key))
 							UNION ALL
-							SELECT k.key, k.lease_until
+							SELECT k.key, k.created_at
 							  FROM idempotency.keys k
 							 WHERE k.owner_session OPERATOR(pg_catalog.=) ANY (dead)
 							   AND k.scope OPERATOR(pg_catalog.=) idem_claim_abandoned.scope
@@ -172,8 +172,8 @@ BEGIN
 							   AND k.lease_until OPERATOR(pg_catalog.>) now
 							   AND k.expires_at OPERATOR(pg_catalog.>) now
 							   AND (last_key IS NULL OR
-									(k.lease_until, k.key) OPERATOR(pg_catalog.>) (last_lease, last_key))) b
-					 ORDER BY b.lease_until, b.key
+									(k.created_at, k.key) OPERATOR(pg_catalog.>) (last_created, last_key))) b
+					 ORDER BY b.created_at, b.key
 					 LIMIT page) a
 			  LEFT JOIN LATERAL (
 				SELECT k.ctid AS tid, k.key, k.attempt, k.request, k.phase, k.phase_data
@@ -192,13 +192,13 @@ BEGIN
 									 IS NOT DISTINCT FROM 'in progress'
 								ELSE false END
 				   FOR NO KEY UPDATE OF k SKIP LOCKED) l ON true
-			 ORDER BY a.lease_until, a.key;
+			 ORDER BY a.created_at, a.key;
 		LOOP
 			EXIT WHEN n OPERATOR(pg_catalog.>=) max_keys;
 			FETCH cur INTO c;
 			EXIT WHEN NOT FOUND;
 			seen := seen OPERATOR(pg_catalog.+) 1;
-			last_lease := c.cand_lease;
+			last_created := c.cand_created;
 			last_key := c.cand;
 			CONTINUE WHEN c.tid IS NULL;
 			tids := pg_catalog.array_append(tids, c.tid);

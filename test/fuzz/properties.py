@@ -1012,8 +1012,9 @@ class Worker:
     def check_abandoned(self, a, rows, scope, before, rolled_back, sql, params):
         """idem_claim_abandoned's answer: at most max_keys rows of distinct
         keys, each a takeover; in the worker's own scope, each of a key
-        abandoned before the call, taken over as a claim would, oldest
-        lease first, and (once committed) none of the other keys changed."""
+        abandoned before the call, taken over as a claim would, oldest key
+        (first claimed earliest) first, and (once committed) none of the
+        other keys changed."""
         fn = "idem_claim_abandoned"
         self.outcomes[fn][{0: "no key", 1: "1 key"}.get(len(rows), "2+ keys")] += 1
         limit = 1 if a.get("max_keys", OMIT) is OMIT else a["max_keys"]
@@ -1045,7 +1046,7 @@ class Worker:
                     "owner": b.owner_session}).fetchone()[0]:
                 self.fail("P6", f"{fn} answered a key that was not abandoned", sql, params,
                           extra=f"before: {short(b)}")
-            ends.append(b.lease_until)
+            ends.append(b.created_at)
             self.checked["P6 claim_abandoned: a takeover of the key"] += 1
             earlier = [t for t in self.tokens.get((scope, key), []) + [b.token] if t is not None]
             if (attempt != b.attempt + 1 or (earlier and token <= max(earlier))
@@ -1056,13 +1057,13 @@ class Worker:
                           f"request md5 {md5(request)}, phase {phase!r}, phase_data md5 "
                           f"{md5(phase_data)}; earlier tokens {earlier}; before: {short(b)}")
         if len(ends) > 1:
-            self.checked["P6 claim_abandoned: oldest lease first"] += 1
+            self.checked["P6 claim_abandoned: oldest key first"] += 1
             if not self.su.execute(
                     "SELECT pg_catalog.bool_and(l <= n) FROM (SELECT l, pg_catalog.lead(l)"
                     " OVER (ORDER BY o) AS n FROM pg_catalog.unnest(%s::timestamptz[])"
                     " WITH ORDINALITY u(l, o)) s", (ends,)).fetchone()[0]:
-                self.fail("P6", f"{fn} answered keys out of the order of their lease's end",
-                          sql, params, extra=f"keys {keys!r}, leases ended {ends!r}")
+                self.fail("P6", f"{fn} answered keys out of the order of their first claim",
+                          sql, params, extra=f"keys {keys!r}, created at {ends!r}")
         if rolled_back:
             return  # P3 compares every key
         after = self.snapshot(scope, ALL_KEYS)[0]
@@ -1195,7 +1196,8 @@ class Raw:
 # then what idem_claim_abandoned's answer is held against (request and
 # phase_data as md5s of their text).
 Row = collections.namedtuple("Row", "text status token expires_at rest core compact gone_at"
-                             " attempt lease_until owner_session request phase phase_data")
+                             " attempt lease_until owner_session request phase phase_data"
+                             " created_at")
 
 
 def fit(expr):
@@ -1230,7 +1232,7 @@ SNAPSHOT_SQL = (
     " (CASE WHEN k.status = 'pending' OR k.remember IS NULL THEN k.expires_at"
     "  ELSE k.expires_at + k.remember END)::text,"
     " k.attempt, k.lease_until::text, k.owner_session, pg_catalog.md5(k.request::text),"
-    " k.phase, pg_catalog.md5(k.phase_data::text)"
+    " k.phase, pg_catalog.md5(k.phase_data::text), k.created_at::text"
     " FROM idempotency.keys k, LATERAL (SELECT pg_catalog.to_jsonb(k) AS j) r"
     " WHERE k.scope = %s")
 

@@ -74,7 +74,7 @@ SELECT is((SELECT indexdef FROM pg_indexes
           'keys_owner_session_idx indexes only the keys bound to a session');
 SELECT is((SELECT indexdef FROM pg_indexes
             WHERE schemaname = 'idempotency' AND indexname = 'keys_abandoned_idx'),
-          'CREATE INDEX keys_abandoned_idx ON idempotency.keys USING btree (scope, lease_until) WHERE (token IS NULL)',
+          'CREATE INDEX keys_abandoned_idx ON idempotency.keys USING btree (scope, created_at) WHERE (token IS NULL)',
           'keys_abandoned_idx indexes only the keys a sweep reset, by scope and lease');
 SELECT is((SELECT count(*)::int FROM pg_trigger WHERE tgrelid = 'idempotency.keys'::regclass), 0,
           'no triggers on keys');
