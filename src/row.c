@@ -338,17 +338,20 @@ row_note_busy(TupleTableSlot *slot, Snapshot dirty, IdemRow *row)
 	}
 }
 
+/* Are two texts the same bytes, as the "C" collation compares them? */
+static bool
+row_text_equal(text *a, text *b)
+{
+	return VARSIZE_ANY_EXHDR(a) == VARSIZE_ANY_EXHDR(b) &&
+		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), VARSIZE_ANY_EXHDR(a)) == 0;
+}
+
 /* Does the row in "slot" hold (scope, key)? */
 static bool
 row_is_key(TupleTableSlot *slot, text *scope, text *key)
 {
-	text	   *s = DatumGetTextPP(slot->tts_values[KEYS_COL_SCOPE - 1]);
-	text	   *k = DatumGetTextPP(slot->tts_values[KEYS_COL_KEY - 1]);
-
-	return VARSIZE_ANY_EXHDR(s) == VARSIZE_ANY_EXHDR(scope) &&
-		VARSIZE_ANY_EXHDR(k) == VARSIZE_ANY_EXHDR(key) &&
-		memcmp(VARDATA_ANY(s), VARDATA_ANY(scope), VARSIZE_ANY_EXHDR(s)) == 0 &&
-		memcmp(VARDATA_ANY(k), VARDATA_ANY(key), VARSIZE_ANY_EXHDR(k)) == 0;
+	return row_text_equal(DatumGetTextPP(slot->tts_values[KEYS_COL_SCOPE - 1]), scope) &&
+		row_text_equal(DatumGetTextPP(slot->tts_values[KEYS_COL_KEY - 1]), key);
 }
 
 /* One scan of the key's primary-key entries (idem_row_probe). */
@@ -729,9 +732,7 @@ abandoned_add(TupleTableSlot *slot, void *arg)
 	text	   *scope = DatumGetTextPP(slot->tts_values[KEYS_COL_SCOPE - 1]);
 	IdemRow		row;
 
-	if (VARSIZE_ANY_EXHDR(scope) != VARSIZE_ANY_EXHDR(list->scope) ||
-		memcmp(VARDATA_ANY(scope), VARDATA_ANY(list->scope),
-			   VARSIZE_ANY_EXHDR(scope)) != 0)
+	if (!row_text_equal(scope, list->scope))
 		return true;
 	memset(&row, 0, sizeof(row));
 	row.found = true;
