@@ -308,6 +308,18 @@ claim_decide(const ClaimArgs *args, const IdemRow *row, TimestampTz now,
 }
 
 /*
+ * The deadlines of a new attempt claimed at "now": its lease's end, and
+ * when the key expires, "retention" later but never before the lease ends.
+ */
+static void
+claim_deadlines(TimestampTz now, Interval *lease, Interval *retention,
+				TimestampTz *lease_until, TimestampTz *expires_at)
+{
+	*lease_until = idem_add_interval(now, lease);
+	*expires_at = Max(idem_add_interval(now, retention), *lease_until);
+}
+
+/*
  * One claim attempt: answer from a lock-free probe when possible; else
  * take the key's lock without waiting, probe again (when needed) and write.
  */
@@ -359,8 +371,7 @@ claim_once(const ClaimArgs *args, ClaimResult *res)
 		lease = args->lease ? args->lease : idem_interval_from_ms(idem_lease_ms);
 		retention = args->retention ? args->retention :
 			idem_interval_from_ms((int64) idem_retention_s * 1000);
-		lease_until = idem_add_interval(now, lease);
-		expires_at = Max(idem_add_interval(now, retention), lease_until);
+		claim_deadlines(now, lease, retention, &lease_until, &expires_at);
 		token = idem_token_claim(row.found ? &row : NULL);
 
 		if (!row.found)
@@ -738,8 +749,7 @@ claim_abandoned_one(text *scope, const IdemAbandoned *cand, TimestampTz now,
 	idem_row_check_snapshot(&row);
 
 	/* as a claim's takeover, keeping what the key was claimed with */
-	lease_until = idem_add_interval(now, lease);
-	expires_at = Max(idem_add_interval(now, &row.retention), lease_until);
+	claim_deadlines(now, lease, &row.retention, &lease_until, &expires_at);
 	token = idem_token_claim(&row);
 	idem_write_update_claim(&row, token, row.attempt + 1,
 							row.has_fingerprint ? row.fingerprint : NULL,
