@@ -613,13 +613,23 @@ if "r24" in runs:
     w("")
     w("| script | ops/s | p50 ms | p99 ms | p99 / p50 | mean ms |")
     w("|---|---:|---:|---:|---:|---:|")
-    for lb, name in (("r24", "claim + finish (row 1)"), ("r24f", "floor (row 7)")):
+    for lb, name in (("r24", "claim + finish (row 1)"), ("r24f", "floor (row 7)"),
+                     ("r24s", "floor with an index on sweep_at")):
+        if lb not in runs:
+            continue
         p50, p99 = med(lb, "p50"), med(lb, "p99")
         w("| %s | %s | %s | %s | %s | %s |" % (name, fmt(med(lb)), fmt(p50, "%.2f"), fmt(p99, "%.2f"),
                                               fmt(p99 / p50 if p50 and p99 else None, "%.1f"), fmt(med(lb, "mean"), "%.2f")))
     w("")
     w("Claim + finish / floor: %s (per round: %s)." % (fx(r24), per_round("r24", "r24f")))
-    for name in ("ext", "floor"):
+    if "r24s" in runs:
+        w("")
+        w("The same floor on a table that also has an index on `sweep_at` (its `UPDATE` leaves "
+          "`sweep_at` alone, as `idem_finish` does): floor with the index / floor %s (per round: %s); "
+          "claim + finish / floor with the index %s (per round: %s)." % (
+              fx(ratio("r24s", "r24f")), per_round("r24s", "r24f"),
+              fx(ratio("r24", "r24s")), per_round("r24", "r24s")))
+    for name in ("ext", "floor", "floor_sweep"):
         v = extra.get("waits_r24.%s" % name)
         if v:
             f = v.split()
@@ -627,7 +637,8 @@ if "r24" in runs:
             w("")
             w("Wait events of the %s backends (`pg_stat_activity` every 20 ms, %s samples, %s backend "
               "samples; CPU = no wait event): %s." % (
-                  "claim + finish" if name == "ext" else "floor", f[0], f[1],
+                  {"ext": "claim + finish", "floor": "floor",
+                   "floor_sweep": "floor-with-index"}[name], f[0], f[1],
                   ", ".join("%s %.0f%%" % (e.split("=")[0], 100.0 * int(e.split("=")[1]) / tot) for e in f[2:10])))
     w("")
 

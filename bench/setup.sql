@@ -27,6 +27,11 @@ CREATE TABLE bench.floor_keys (
 -- rows 3-5, the seed SQL patterns
 CREATE TABLE bench.seed_keys (LIKE bench.floor_keys INCLUDING ALL);
 
+-- row 24's second floor: the same table with an index on sweep_at, as the
+-- extension's table has, so that the cost of that index shows on its own
+CREATE TABLE bench.floor_sweep_keys (LIKE bench.floor_keys INCLUDING ALL);
+CREATE INDEX ON bench.floor_sweep_keys (sweep_at);
+
 -- the bound of row 1 vs row 6: two minimal durable commits (r7c_two_commits.sql)
 CREATE TABLE bench.commit_probe (k bigint);
 
