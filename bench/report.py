@@ -614,7 +614,7 @@ if "r24" in runs:
     w("| script | ops/s | p50 ms | p99 ms | p99 / p50 | mean ms |")
     w("|---|---:|---:|---:|---:|---:|")
     for lb, name in (("r24", "claim + finish (row 1)"), ("r24f", "floor (row 7)"),
-                     ("r24s", "floor with an index on sweep_at")):
+                     ("r24s", "floor with the sweep_at index")):
         if lb not in runs:
             continue
         p50, p99 = med(lb, "p50"), med(lb, "p99")
