@@ -73,7 +73,7 @@ idem_direct_begin(IdemDirect *direct)
 	old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
 	direct->rri = makeNode(ResultRelInfo);
 	InitResultRelInfo(direct->rri, heap, 0, NULL, 0);
-	ExecOpenIndices(direct->rri, false);
+	direct->indexes_open = false;
 	direct->slot = ExecInitExtraTupleSlot(direct->estate,
 										  RelationGetDescr(heap),
 										  table_slot_callbacks(heap));
@@ -91,7 +91,8 @@ idem_direct_begin(IdemDirect *direct)
 void
 idem_direct_end(IdemDirect *direct)
 {
-	ExecCloseIndices(direct->rri);
+	if (direct->indexes_open)
+		ExecCloseIndices(direct->rri);
 	ExecResetTupleTable(direct->estate->es_tupleTable, false);
 	FreeExecutorState(direct->estate);
 	table_close(direct->heap, NoLock);
@@ -100,11 +101,23 @@ idem_direct_end(IdemDirect *direct)
 
 /*
  * Enter the row in the slot into the table's indexes after the table AM
- * wrote it (an update calls this only when it was not a HOT update).
+ * wrote it (an update calls this only when it was not a HOT update).  The
+ * indexes are opened at the first row that needs them: a run of HOT
+ * updates (a finish, an extend) never opens them, as the table AM decides
+ * HOT from the table's relcache entry, which the table's lock keeps
+ * current.
  */
 static void
 direct_index(IdemDirect *direct, bool update, bool only_summarizing)
 {
+	if (!direct->indexes_open)
+	{
+		MemoryContext old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
+
+		ExecOpenIndices(direct->rri, false);
+		MemoryContextSwitchTo(old);
+		direct->indexes_open = true;
+	}
 	if (direct->rri->ri_NumIndices == 0)
 		return;
 	list_free(idem_insert_index_tuples(direct->rri, direct->slot,

@@ -143,6 +143,7 @@ typedef struct IdemDirect
 	Relation	heap;
 	EState	   *estate;
 	ResultRelInfo *rri;
+	bool		indexes_open;	/* rri's indexes, at the first row needing them */
 	TupleTableSlot *slot;
 	TupleTableSlot *old;
 } IdemDirect;
