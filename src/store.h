@@ -143,7 +143,8 @@ typedef struct IdemDirect
 	Relation	heap;
 	EState	   *estate;
 	ResultRelInfo *rri;
-	bool		indexes_open;	/* rri's indexes, at the first row needing them */
+	bool		indexes_open;	/* rri's indexes, at the first row needing
+								 * them */
 	TupleTableSlot *slot;
 	TupleTableSlot *old;
 } IdemDirect;
