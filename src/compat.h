@@ -52,6 +52,16 @@ typedef bool IdemUpdateIndexes;
 #endif
 
 /*
+ * 17: a backend's local transaction id moved into MyProc->vxid; before, it
+ * was MyProc->lxid.
+ */
+#if PG_VERSION_NUM >= 170000
+#define IDEM_MY_LXID				(MyProc->vxid.lxid)
+#else
+#define IDEM_MY_LXID				(MyProc->lxid)
+#endif
+
+/*
  * 17: LockHeldByMe takes a third argument, whether a stronger mode counts;
  * before, only the exact mode did, which is what the exact test here asks.
  */

@@ -23,6 +23,7 @@
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/xact.h"
+#include "catalog/index.h"
 #include "executor/executor.h"
 #include "storage/bufmgr.h"
 #include "utils/rel.h"
@@ -73,7 +74,7 @@ idem_direct_begin(IdemDirect *direct)
 	old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
 	direct->rri = makeNode(ResultRelInfo);
 	InitResultRelInfo(direct->rri, heap, 0, NULL, 0);
-	direct->indexes_open = false;
+	direct->nindexes = -1;
 	direct->slot = ExecInitExtraTupleSlot(direct->estate,
 										  RelationGetDescr(heap),
 										  table_slot_callbacks(heap));
@@ -91,8 +92,20 @@ idem_direct_begin(IdemDirect *direct)
 void
 idem_direct_end(IdemDirect *direct)
 {
-	if (direct->indexes_open)
-		ExecCloseIndices(direct->rri);
+	if (direct->nindexes > 0)
+	{
+		ResultRelInfo *rri = direct->rri;
+
+		/* hand the executor the indexes opened, to close as its own */
+		rri->ri_NumIndices = 0;
+		for (int i = 0; i < direct->nindexes; i++)
+			if (direct->index_rels[i] != NULL)
+			{
+				rri->ri_IndexRelationDescs[rri->ri_NumIndices] = direct->index_rels[i];
+				rri->ri_IndexRelationInfo[rri->ri_NumIndices++] = direct->index_infos[i];
+			}
+		ExecCloseIndices(rri);
+	}
 	ExecResetTupleTable(direct->estate->es_tupleTable, false);
 	FreeExecutorState(direct->estate);
 	table_close(direct->heap, NoLock);
@@ -100,29 +113,85 @@ idem_direct_end(IdemDirect *direct)
 }
 
 /*
+ * List the table's indexes, once per run of writes.  Each is opened (and
+ * locked, as the executor would) at the first row that goes into it.
+ */
+static void
+direct_list_indexes(IdemDirect *direct)
+{
+	MemoryContext old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
+	List	   *oids = RelationGetIndexList(direct->heap);
+	int			n = Max(list_length(oids), 1);
+	ListCell   *lc;
+
+	direct->nindexes = 0;
+	direct->index_oids = palloc(sizeof(Oid) * n);
+	direct->index_rels = palloc0(sizeof(Relation) * n);
+	direct->index_infos = palloc0(sizeof(IndexInfo *) * n);
+	foreach(lc, oids)
+		direct->index_oids[direct->nindexes++] = lfirst_oid(lc);
+	direct->rri->ri_IndexRelationDescs = palloc(sizeof(Relation) * n);
+	direct->rri->ri_IndexRelationInfo = palloc(sizeof(IndexInfo *) * n);
+	list_free(oids);
+	MemoryContextSwitchTo(old);
+}
+
+/*
+ * Does the row in the slot go into the index "oid"?  Only the extension's
+ * own partial indexes are judged here, by their predicates, which the
+ * catalog checks are exactly these: keys_owner_session_idx holds the rows
+ * with an owner_session, keys_abandoned_idx those without a token.  A
+ * fresh claim is in neither, so its write neither opens them nor prepares
+ * their predicates.  Every other index is the executor's to judge.
+ */
+static bool
+direct_row_in_index(IdemDirect *direct, Oid oid)
+{
+	const IdemCatalog *catalog = idem_catalog();
+	TupleTableSlot *slot = direct->slot;
+
+	if (oid == catalog->session_idx)
+		return !slot->tts_isnull[KEYS_COL_OWNER_SESSION - 1];
+	if (oid == catalog->abandoned_idx)
+		return slot->tts_isnull[KEYS_COL_TOKEN - 1];
+	return true;
+}
+
+/*
  * Enter the row in the slot into the table's indexes after the table AM
- * wrote it (an update calls this only when it was not a HOT update).  The
- * indexes are opened at the first row that needs them: a run of HOT
- * updates (a finish, an extend) never opens them, as the table AM decides
+ * wrote it (an update calls this only when it was not a HOT update): into
+ * each index it belongs in, opened at the first row that needs it.  A run
+ * of HOT updates (a finish, an extend) opens none: the table AM decides
  * HOT from the table's relcache entry, which the table's lock keeps
  * current.
  */
 static void
 direct_index(IdemDirect *direct, bool update, bool only_summarizing)
 {
-	if (!direct->indexes_open)
-	{
-		MemoryContext old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
+	ResultRelInfo *rri = direct->rri;
 
-		ExecOpenIndices(direct->rri, false);
-		MemoryContextSwitchTo(old);
-		direct->indexes_open = true;
+	if (direct->nindexes < 0)
+		direct_list_indexes(direct);
+	rri->ri_NumIndices = 0;
+	for (int i = 0; i < direct->nindexes; i++)
+	{
+		if (!direct_row_in_index(direct, direct->index_oids[i]))
+			continue;
+		if (direct->index_rels[i] == NULL)
+		{
+			MemoryContext old = MemoryContextSwitchTo(direct->estate->es_query_cxt);
+
+			direct->index_rels[i] = index_open(direct->index_oids[i],
+											   RowExclusiveLock);
+			direct->index_infos[i] = BuildIndexInfo(direct->index_rels[i]);
+			MemoryContextSwitchTo(old);
+		}
+		rri->ri_IndexRelationDescs[rri->ri_NumIndices] = direct->index_rels[i];
+		rri->ri_IndexRelationInfo[rri->ri_NumIndices++] = direct->index_infos[i];
 	}
-	if (direct->rri->ri_NumIndices == 0)
-		return;
-	list_free(idem_insert_index_tuples(direct->rri, direct->slot,
-									   direct->estate, update,
-									   only_summarizing));
+	if (rri->ri_NumIndices > 0)
+		list_free(idem_insert_index_tuples(rri, direct->slot, direct->estate,
+										   update, only_summarizing));
 }
 
 /* Check the row in the slot against the table's constraints. */

@@ -387,7 +387,8 @@ row_probe_once(text *scope, text *key, IdemProbeMode mode, bool want_body,
 	ScanKeyInit(&skey[1], KEYS_COL_KEY, BTEqualStrategyNumber, F_TEXTEQ,
 				PointerGetDatum(key));
 
-	slot = table_slot_create(heap, NULL);
+	/* made at the first entry found: a new key's probe finds none */
+	slot = NULL;
 	scan = idem_index_beginscan(heap, index, snapshot, 2, 0);
 	index_rescan(scan, skey, 2, NULL, 0);
 	/* index_getnext_slot, spelled out to put a pause point in the middle */
@@ -396,6 +397,8 @@ row_probe_once(text *scope, text *key, IdemProbeMode mode, bool want_body,
 	{
 		/* The index page is read; the heap is not yet. */
 		IDEM_PAUSE("probe-index-read");
+		if (slot == NULL)
+			slot = table_slot_create(heap, NULL);
 		if (!index_fetch_heap(scan, slot))
 			continue;
 		if (mode == IDEM_PROBE_SNAPSHOT)
@@ -419,7 +422,8 @@ row_probe_once(text *scope, text *key, IdemProbeMode mode, bool want_body,
 		IDEM_PAUSE("probe-version-read");
 	}
 	index_endscan(scan);
-	ExecDropSingleTupleTableSlot(slot);
+	if (slot != NULL)
+		ExecDropSingleTupleTableSlot(slot);
 	index_close(index, NoLock);
 	table_close(heap, NoLock);
 }

@@ -143,8 +143,10 @@ typedef struct IdemDirect
 	Relation	heap;
 	EState	   *estate;
 	ResultRelInfo *rri;
-	bool		indexes_open;	/* rri's indexes, at the first row needing
-								 * them */
+	int			nindexes;		/* the table's indexes; -1: not listed yet */
+	Oid		   *index_oids;
+	Relation   *index_rels;		/* each opened at the first row entered */
+	IndexInfo **index_infos;
 	TupleTableSlot *slot;
 	TupleTableSlot *old;
 } IdemDirect;
