@@ -46,10 +46,11 @@ PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs)
 include $(PGXS)
 
-# PGXS tracks no header dependencies: a struct changed in a header would
-# leave the objects built against its old layout in the library.  Every
-# object is rebuilt when any of the project's headers changes.
-$(OBJS): $(wildcard $(srcdir)/src/*.h)
+# PGXS tracks header dependencies only on a server configured with
+# --enable-depend: elsewhere a struct changed in a header would leave the
+# objects (and JIT bitcode) built against its old layout.  Each is rebuilt
+# when any of the project's headers changes.
+$(OBJS) $(OBJS:.o=.bc): $(wildcard $(srcdir)/src/*.h)
 
 # make dist: the PGXN release zip, idempotency-<version>.zip, in this directory
 .PHONY: dist

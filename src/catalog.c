@@ -59,6 +59,7 @@
 #include "utils/syscache.h"
 #include "utils/rel.h"
 #include "utils/relcache.h"
+#include "utils/resowner.h"
 
 #include "store.h"
 
@@ -91,9 +92,12 @@ static bool callback_registered = false;
 
 /*
  * The (sub)transaction whose lock on the cached table catalog_base took
- * last: within it the lock is still held, so taking it again only adds to
- * its count.  A subtransaction's id is never reused within a transaction,
- * so one that ended (and released its locks, if it aborted) never matches.
+ * last, owned by that (sub)transaction's resource owner, not by the portal
+ * that happened to be running (a failed cursor's portal releases its locks
+ * when it is closed): within it the lock is still held, so taking it again
+ * would only add to its count.  A subtransaction's id is never reused
+ * within a transaction, so one that ended (and released its locks, if it
+ * aborted) never matches.
  */
 static LocalTransactionId locked_lxid = InvalidLocalTransactionId;
 static SubTransactionId locked_subxid = InvalidSubTransactionId;
@@ -607,10 +611,14 @@ catalog_base(void)
 	 */
 	if (cached_valid)
 	{
+		ResourceOwner owner = CurrentResourceOwner;
+
 		if (locked_lxid == IDEM_MY_LXID &&
 			locked_subxid == GetCurrentSubTransactionId())
 			return &cached;
+		CurrentResourceOwner = CurTransactionResourceOwner;
 		LockRelationOid(cached.keys, AccessShareLock);
+		CurrentResourceOwner = owner;
 		if (cached_valid)
 		{
 			locked_lxid = IDEM_MY_LXID;
@@ -645,12 +653,13 @@ catalog_base(void)
 
 	/*
 	 * Publish at once: an invalidation that arrives from here on clears the
-	 * cache through the callback, which compares against these OIDs.
+	 * cache through the callback, which compares against these OIDs.  The
+	 * next call takes the table's lock once more, under the transaction's own
+	 * resource owner.
 	 */
 	cached = found;
 	cached_valid = true;
-	locked_lxid = IDEM_MY_LXID;
-	locked_subxid = GetCurrentSubTransactionId();
+	locked_lxid = InvalidLocalTransactionId;
 	return &cached;
 }
 

@@ -5,14 +5,14 @@
  *
  * Owns the direct writer: a row is formed here, checked against the
  * table's NOT NULL and CHECK constraints, written through the table AM and
- * entered into every index of the table (a user's own index too), the way
- * logical replication applies rows.  This skips SPI and the executor's
- * per-statement start-up, which is most of the CPU time of a one-row
- * write.  Only for a table as the extension creates it, without triggers,
- * rules, row security or generated columns: idem_direct_begin refuses any
- * other, and write.c then runs the SQL statement, so that whatever a user
- * attached to the table still fires.  Must not decide which row to write
- * or with what: write.c's rules do.
+ * entered into every index of the table it belongs in (a user's own index
+ * too), the way logical replication applies rows.  This skips SPI and the
+ * executor's per-statement start-up, which is most of the CPU time of a
+ * one-row write.  Only for a table as the extension creates it, without
+ * triggers, rules, row security or generated columns: idem_direct_begin
+ * refuses any other, and write.c then runs the SQL statement, so that
+ * whatever a user attached to the table still fires.  Must not decide
+ * which row to write or with what: write.c's rules do.
  *
  *-------------------------------------------------------------------------
  */
@@ -75,6 +75,8 @@ idem_direct_begin(IdemDirect *direct)
 	direct->rri = makeNode(ResultRelInfo);
 	InitResultRelInfo(direct->rri, heap, 0, NULL, 0);
 	direct->nindexes = -1;
+	direct->session_idx = idem_catalog()->session_idx;
+	direct->abandoned_idx = idem_catalog()->abandoned_idx;
 	direct->slot = ExecInitExtraTupleSlot(direct->estate,
 										  RelationGetDescr(heap),
 										  table_slot_callbacks(heap));
@@ -147,12 +149,11 @@ direct_list_indexes(IdemDirect *direct)
 static bool
 direct_row_in_index(IdemDirect *direct, Oid oid)
 {
-	const IdemCatalog *catalog = idem_catalog();
 	TupleTableSlot *slot = direct->slot;
 
-	if (oid == catalog->session_idx)
+	if (oid == direct->session_idx)
 		return !slot->tts_isnull[KEYS_COL_OWNER_SESSION - 1];
-	if (oid == catalog->abandoned_idx)
+	if (oid == direct->abandoned_idx)
 		return slot->tts_isnull[KEYS_COL_TOKEN - 1];
 	return true;
 }
@@ -161,9 +162,10 @@ direct_row_in_index(IdemDirect *direct, Oid oid)
  * Enter the row in the slot into the table's indexes after the table AM
  * wrote it (an update calls this only when it was not a HOT update): into
  * each index it belongs in, opened at the first row that needs it.  A run
- * of HOT updates (a finish, an extend) opens none: the table AM decides
+ * of HOT updates (a finish, an extend) opens none, as the table AM decides
  * HOT from the table's relcache entry, which the table's lock keeps
- * current.
+ * current; an update that changes only what a summarizing index (BRIN)
+ * covers opens the row's indexes and enters it into those alone.
  */
 static void
 direct_index(IdemDirect *direct, bool update, bool only_summarizing)

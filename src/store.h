@@ -147,6 +147,8 @@ typedef struct IdemDirect
 	Oid		   *index_oids;
 	Relation   *index_rels;		/* each opened at the first row entered */
 	IndexInfo **index_infos;
+	Oid			session_idx;	/* the extension's partial indexes, judged */
+	Oid			abandoned_idx;	/* here by their predicates */
 	TupleTableSlot *slot;
 	TupleTableSlot *old;
 } IdemDirect;

@@ -268,7 +268,13 @@ write_section_begin(WriteSection *section)
 	SetUserIdAndSecContext(catalog->owner, section->saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
-	section->user_code = catalog->user_code;
+
+	/*
+	 * A shard's catalog is the one its transaction selected, which an index
+	 * created on the shard since does not reach: on a shard the section is
+	 * pinned whatever it says.
+	 */
+	section->user_code = catalog->user_code || catalog->shardid != 0;
 	section->guc_nestlevel = 0;
 	if (section->user_code)
 		write_section_pin(section);
