@@ -49,6 +49,8 @@ declare -A skip=(
 	[session_bound]="ends a session binding with pg_advisory_unlock_all(), which the SQL edition's bindings (pid and backend start) outlive; its output then holds timestamps"
 	[stats_key_counts]="creates its database from template0, where pg_tle has not registered idempotency (pg_tle registers per database)"
 	[owner_settings]="in the SQL edition a trigger that sets search_path for the session changes the caller's (its other settings are set back after the write; a known gap: sql-edition/README.md)"
+	[catalog_lock]="about the C library's cache of its own table, which keeps the table's lock for the transaction (the SQL edition's functions look the table up in every statement)"
+	[direct_indexes]="about the C library's direct writer, which judges the extension's partial indexes by their predicates and so refuses look-alikes (the SQL edition writes with SQL statements, which evaluate every predicate)"
 )
 if [[ $mode == plain ]]; then
 	skip[version]="the plain installer creates no extension (pg_extension has no row)"

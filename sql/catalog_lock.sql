@@ -40,3 +40,5 @@ SELECT status FROM idempotency.idem_lookup('after', 'catalog_lock');
 SELECT mode, granted FROM pg_locks
  WHERE relation = 'idempotency.keys'::regclass AND pid = pg_backend_pid();
 COMMIT;
+-- leave nothing of this scope pending for the tests after this one
+DELETE FROM idempotency.keys WHERE scope = 'catalog_lock';
