@@ -55,7 +55,8 @@ direct_allowed(Relation heap)
 bool
 idem_direct_begin(IdemDirect *direct)
 {
-	Relation	heap = table_open(idem_catalog()->keys, RowExclusiveLock);
+	const IdemCatalog *catalog = idem_catalog();
+	Relation	heap = table_open(catalog->keys, RowExclusiveLock);
 	MemoryContext old;
 
 	if (!direct_allowed(heap))
@@ -75,8 +76,8 @@ idem_direct_begin(IdemDirect *direct)
 	direct->rri = makeNode(ResultRelInfo);
 	InitResultRelInfo(direct->rri, heap, 0, NULL, 0);
 	direct->nindexes = -1;
-	direct->session_idx = idem_catalog()->session_idx;
-	direct->abandoned_idx = idem_catalog()->abandoned_idx;
+	direct->session_idx = catalog->session_idx;
+	direct->abandoned_idx = catalog->abandoned_idx;
 	direct->slot = ExecInitExtraTupleSlot(direct->estate,
 										  RelationGetDescr(heap),
 										  table_slot_callbacks(heap));
@@ -85,6 +86,16 @@ idem_direct_begin(IdemDirect *direct)
 										 table_slot_callbacks(heap));
 	MemoryContextSwitchTo(old);
 	return true;
+}
+
+/* Add the opened index "i" to the indexes the executor is handed. */
+static void
+direct_hand_index(IdemDirect *direct, int i)
+{
+	ResultRelInfo *rri = direct->rri;
+
+	rri->ri_IndexRelationDescs[rri->ri_NumIndices] = direct->index_rels[i];
+	rri->ri_IndexRelationInfo[rri->ri_NumIndices++] = direct->index_infos[i];
 }
 
 /*
@@ -96,17 +107,12 @@ idem_direct_end(IdemDirect *direct)
 {
 	if (direct->nindexes > 0)
 	{
-		ResultRelInfo *rri = direct->rri;
-
 		/* hand the executor the indexes opened, to close as its own */
-		rri->ri_NumIndices = 0;
+		direct->rri->ri_NumIndices = 0;
 		for (int i = 0; i < direct->nindexes; i++)
 			if (direct->index_rels[i] != NULL)
-			{
-				rri->ri_IndexRelationDescs[rri->ri_NumIndices] = direct->index_rels[i];
-				rri->ri_IndexRelationInfo[rri->ri_NumIndices++] = direct->index_infos[i];
-			}
-		ExecCloseIndices(rri);
+				direct_hand_index(direct, i);
+		ExecCloseIndices(direct->rri);
 	}
 	ExecResetTupleTable(direct->estate->es_tupleTable, false);
 	FreeExecutorState(direct->estate);
@@ -188,8 +194,7 @@ direct_index(IdemDirect *direct, bool update, bool only_summarizing)
 			direct->index_infos[i] = BuildIndexInfo(direct->index_rels[i]);
 			MemoryContextSwitchTo(old);
 		}
-		rri->ri_IndexRelationDescs[rri->ri_NumIndices] = direct->index_rels[i];
-		rri->ri_IndexRelationInfo[rri->ri_NumIndices++] = direct->index_infos[i];
+		direct_hand_index(direct, i);
 	}
 	if (rri->ri_NumIndices > 0)
 		list_free(idem_insert_index_tuples(rri, direct->slot, direct->estate,
