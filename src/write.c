@@ -199,26 +199,33 @@ write_caller_has_temp_objects(void)
 }
 
 /*
- * Pin search_path to pg_catalog, pg_temp: at the start of a section, and,
- * when the table runs a user's code, again before each row, so that a path
- * one row's trigger set does not carry over to the next row.
+ * Pin search_path to pg_catalog, pg_temp before each row a user's code can
+ * see, so that a path one row's trigger set does not carry over to the
+ * next row.  The first pin opens the section's GUC nest level, which
+ * write_section_end pops with everything set inside it.
  */
 static void
-write_section_pin(void)
+write_section_pin(WriteSection *section)
 {
+	if (section->guc_nestlevel == 0)
+		section->guc_nestlevel = NewGUCNestLevel();
 	(void) set_config_option("search_path", "pg_catalog, pg_temp",
 							 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE,
 							 true, 0, false);
 }
 
 /*
- * Act as the table's owner, with restricted security and search_path
- * pinned to pg_catalog, pg_temp, until write_section_end: the caller need
- * not have any privilege on the table, nothing the table's owner attached
- * (a trigger, a rule, a CHECK constraint, an index expression) can change
- * session state, and none of it can resolve a name in a schema the caller
- * controls, as PostgreSQL runs index expressions in its maintenance
- * commands.
+ * Act as the table's owner, with restricted security, until
+ * write_section_end: the caller need not have any privilege on the table,
+ * and nothing the table's owner attached (a trigger, a rule, a CHECK
+ * constraint, an index expression) can change session state.  When the
+ * table has such code (IdemCatalog.user_code), search_path is also pinned
+ * to pg_catalog, pg_temp, so that none of it can resolve a name in a
+ * schema the caller controls, as PostgreSQL runs index expressions in its
+ * maintenance commands.  A table without it looks no name up in a write
+ * (its rows go through the table AM and PostgreSQL's own index operator
+ * classes): there the pin, which costs a GUC nest level and makes the
+ * caller's next statement parse its path again, is left out.
  *
  * There, unlike in those commands, pg_temp is the caller's own temporary
  * schema, and PostgreSQL looks tables and types up in it whatever the path
@@ -261,9 +268,16 @@ write_section_begin(WriteSection *section)
 	SetUserIdAndSecContext(catalog->owner, section->saved_sec_context |
 						   SECURITY_LOCAL_USERID_CHANGE |
 						   SECURITY_RESTRICTED_OPERATION);
-	section->user_code = catalog->user_code;
-	section->guc_nestlevel = NewGUCNestLevel();
-	write_section_pin();
+
+	/*
+	 * A shard's catalog is the one its transaction selected, which an index
+	 * created on the shard since does not reach: on a shard the section is
+	 * pinned whatever it says.
+	 */
+	section->user_code = catalog->user_code || catalog->shardid != 0;
+	section->guc_nestlevel = 0;
+	if (section->user_code)
+		write_section_pin(section);
 }
 
 /*
@@ -273,7 +287,8 @@ write_section_begin(WriteSection *section)
 static void
 write_section_end(WriteSection *section)
 {
-	AtEOXact_GUC(false, section->guc_nestlevel);
+	if (section->guc_nestlevel != 0)
+		AtEOXact_GUC(false, section->guc_nestlevel);
 	SetUserIdAndSecContext(section->saved_userid, section->saved_sec_context);
 }
 
@@ -549,7 +564,7 @@ write_apply(WriteKind kind, WriteRow *rows, int n, bool *done_rows)
 		{
 			CHECK_FOR_INTERRUPTS();
 			if (section.user_code)
-				write_section_pin();
+				write_section_pin(&section);
 			if (write_direct(&direct, rule, columns, &rows[i]))
 				done++;
 			else if (!rule->skip_busy)
@@ -578,7 +593,7 @@ write_apply(WriteKind kind, WriteRow *rows, int n, bool *done_rows)
 			uint64		written;
 
 			CHECK_FOR_INTERRUPTS();
-			write_section_pin();
+			write_section_pin(&section);
 			if (rule->skip_busy && IsolationUsesXactSnapshot())
 				written = write_execute_skipping(kind, &rows[i]);
 			else
