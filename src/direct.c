@@ -281,6 +281,9 @@ idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
 	direct_check(direct);
 	table_tuple_insert(direct->heap, slot, GetCurrentCommandId(true), 0, NULL);
 	direct_index(direct, false, false);
+	idem_row_hint_set(direct->heap, &slot->tts_tid,
+					  slot->tts_values[KEYS_COL_SCOPE - 1],
+					  slot->tts_values[KEYS_COL_KEY - 1]);
 }
 
 /*
@@ -363,6 +366,9 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 	if (IDEM_UPDATE_NEEDS_INDEXES(update_indexes))
 		direct_index(direct, true,
 					 IDEM_UPDATE_ONLY_SUMMARIZING(update_indexes));
+	idem_row_hint_set(direct->heap, &slot->tts_tid,
+					  slot->tts_values[KEYS_COL_SCOPE - 1],
+					  slot->tts_values[KEYS_COL_KEY - 1]);
 	return IDEM_DIRECT_DONE;
 }
 

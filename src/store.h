@@ -131,6 +131,8 @@ extern int64 idem_citus_claim_token(int64 token, int64 stored);
 
 /* ---- row.c ---- */
 extern bool idem_row_xmax_locks_other(uint16 infomask, TransactionId xmax);
+extern void idem_row_hint_set(Relation heap, ItemPointer tid, Datum scope,
+							  Datum key);
 
 /* ---- direct.c ---- */
 
