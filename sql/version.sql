@@ -5,7 +5,7 @@
 -- its own: there the two are equal)
 --
 SELECT idempotency.idem_version();
-SELECT idempotency.idem_version() = '1.8.1' AS is_1_8_1;
+SELECT idempotency.idem_version() = '1.8.2' AS is_1_8_2;
 SELECT extversion IN (idempotency.idem_version(),
                       substring(idempotency.idem_version() from '^[0-9]+\.[0-9]+')) AS names_extversion
   FROM pg_extension WHERE extname = 'idempotency';

@@ -54,7 +54,7 @@
  * install script ships with it, the last number counts releases of the
  * library that leave the SQL objects alone.
  */
-#define IDEM_VERSION			"1.8.1"
+#define IDEM_VERSION			"1.8.2"
 
 /* Limits of the SQL interface: key and scope length, fingerprint size. */
 #define IDEM_MAX_KEY_CHARS		255

@@ -405,7 +405,7 @@ SELECT throws_ok('SELECT idempotency.distribute()', '55000',
 SELECT results_eq($$SELECT node, database FROM idempotency.cluster_stats$$,
                   $$VALUES ('local'::text, current_database())$$,
                   'cluster_stats without Citus: one row, node local, this database');
-SELECT is(idempotency.idem_version(), '1.8.1', 'idem_version() names the loaded library, 1.8.1');
+SELECT is(idempotency.idem_version(), '1.8.2', 'idem_version() names the loaded library, 1.8.2');
 
 -- the settings exist with their contexts
 SELECT set_eq($$SELECT name || ':' || context FROM pg_settings WHERE name LIKE 'idempotency.%'$$,
