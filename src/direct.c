@@ -264,6 +264,23 @@ direct_result(TM_Result result, const char *what)
 	pg_unreachable();
 }
 
+/*
+ * Tell the probe where the row version just written is.  The table AM
+ * formed that version from the slot's values and left them stale (an
+ * update's unchanged columns point into the old version's copy, freed by
+ * now): read scope and key from the stored version.
+ */
+static void
+direct_hint(IdemDirect *direct)
+{
+	TupleTableSlot *slot = direct->slot;
+
+	slot_getsomeattrs(slot, KEYS_COL_KEY);
+	idem_row_hint_set(direct->heap, &slot->tts_tid,
+					  slot->tts_values[KEYS_COL_SCOPE - 1],
+					  slot->tts_values[KEYS_COL_KEY - 1]);
+}
+
 /* Insert a new row with these column values. */
 void
 idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
@@ -281,9 +298,7 @@ idem_direct_insert(IdemDirect *direct, const Datum *values, const bool *nulls)
 	direct_check(direct);
 	table_tuple_insert(direct->heap, slot, GetCurrentCommandId(true), 0, NULL);
 	direct_index(direct, false, false);
-	idem_row_hint_set(direct->heap, &slot->tts_tid,
-					  slot->tts_values[KEYS_COL_SCOPE - 1],
-					  slot->tts_values[KEYS_COL_KEY - 1]);
+	direct_hint(direct);
 }
 
 /*
@@ -366,9 +381,7 @@ idem_direct_update(IdemDirect *direct, ItemPointer tid, uint32 columns,
 	if (IDEM_UPDATE_NEEDS_INDEXES(update_indexes))
 		direct_index(direct, true,
 					 IDEM_UPDATE_ONLY_SUMMARIZING(update_indexes));
-	idem_row_hint_set(direct->heap, &slot->tts_tid,
-					  slot->tts_values[KEYS_COL_SCOPE - 1],
-					  slot->tts_values[KEYS_COL_KEY - 1]);
+	direct_hint(direct);
 	return IDEM_DIRECT_DONE;
 }
 

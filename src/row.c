@@ -423,6 +423,7 @@ row_probe_hinted(Relation heap, text *scope, text *key, bool want_body,
 	SnapshotData dirty;
 	TupleTableSlot *slot;
 	ItemPointerData tid;
+	Buffer		buffer;
 	bool		taken = false;
 
 	if (!row_hint.valid || row_hint.relid != RelationGetRelid(heap) ||
@@ -440,6 +441,13 @@ row_probe_hinted(Relation heap, text *scope, text *key, bool want_body,
 
 	/* The row version is known; the heap is not read yet. */
 	IDEM_PAUSE("probe-index-read");
+
+	/*
+	 * Prune the page first, as an index fetch does: the key's dead versions
+	 * hold room that a finish's HOT update needs on this page.
+	 */
+	buffer = ReadBuffer(heap, ItemPointerGetBlockNumber(&tid));
+	heap_page_prune_opt(heap, buffer);
 	InitDirtySnapshot(dirty);
 	slot = table_slot_create(heap, NULL);
 	if (table_tuple_fetch_row_version(heap, &tid, &dirty, slot) &&
@@ -455,6 +463,7 @@ row_probe_hinted(Relation heap, text *scope, text *key, bool want_body,
 		}
 	}
 	ExecDropSingleTupleTableSlot(slot);
+	ReleaseBuffer(buffer);
 	return taken;
 }
 
