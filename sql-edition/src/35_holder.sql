@@ -183,6 +183,10 @@ BEGIN
 					   request = NULL
 				 WHERE k.ctid OPERATOR(pg_catalog.=) r.tid;
 			ELSIF kind OPERATOR(pg_catalog.=) 'extend' THEN
+				-- The clock is read again now that the row is locked: an
+				-- extend that committed before this one got the lock read it
+				-- earlier, so the lease end stored last is the latest one.
+				now := pg_catalog.clock_timestamp();
 				p_interval := COALESCE(p_interval, idempotency._lease_setting());
 				result := now OPERATOR(pg_catalog.+) p_interval;
 				UPDATE idempotency.keys k
